@@ -1,0 +1,143 @@
+"""Typed errors. Code raises these; the error middleware alone turns them into
+HTTP responses (through the `lockgate_handle_exception` hook).
+
+Each class carries the OpenAI error fields it answers with: HTTP status,
+`type` and default `code`. `param` names the offending request field.
+"""
+
+from __future__ import annotations
+
+
+class LockgateError(Exception):
+    """Base of every error lockgate answers with its own status and message."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = dict(headers or {})
+
+
+class InvalidRequestError(LockgateError):
+    """The request is malformed or asks for something out of range (400)."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_value"
+
+
+class InvalidMessages(InvalidRequestError):
+    """The chat template refused the conversation (400)."""
+
+    code = "invalid_messages"
+
+
+class ContextLengthExceeded(InvalidRequestError):
+    """Prompt plus requested completion does not fit the context (400)."""
+
+    code = "context_length_exceeded"
+
+
+class InvalidSchema(InvalidRequestError):
+    """A `response_format` schema or grammar is invalid (400)."""
+
+    code = "invalid_schema"
+
+
+class UnsupportedParameter(InvalidRequestError):
+    """A valid OpenAI parameter this server cannot honour yet (400)."""
+
+    code = "unsupported_parameter"
+
+
+class AuthenticationError(LockgateError):
+    """Missing or wrong API key (401)."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(LockgateError):
+    """The request names a model this server does not serve (404)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class RouteNotFound(LockgateError):
+    """No such route (404)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = None
+
+
+class MethodNotAllowed(LockgateError):
+    """The route exists but not for this method (405)."""
+
+    status = 405
+    type = "invalid_request_error"
+    code = None
+
+
+class RequestTooLarge(LockgateError):
+    """The body is over the configured size limit (413)."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class Overloaded(LockgateError):
+    """The waiting queue is full (429, with Retry-After)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "server_busy"
+
+    def __init__(self, message: str, *, retry_after: int = 1, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.headers.setdefault("Retry-After", str(retry_after))
+
+
+class Unavailable(LockgateError):
+    """The engine is unhealthy or shutting down (503, with Retry-After)."""
+
+    status = 503
+    type = "server_error"
+    code = "unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 5, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.headers.setdefault("Retry-After", str(retry_after))
+
+
+class InternalError(LockgateError):
+    """Something failed that is not the client's fault (500).
+
+    The message is generic; details go to the log, never to the client.
+    """
+
+
+class ModelLoadError(Exception):
+    """A model file or its metadata cannot be used. Raised at start-up, not
+    while serving, so it is not an HTTP error."""
+
+
+class PluginError(Exception):
+    """A plugin is malformed (for example an `async def` hook implementation)."""

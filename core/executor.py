@@ -1,0 +1,108 @@
+"""The executor interface: what the engine asks of a compiled model.
+
+An executor owns the weights and a paged KV cache and runs forward passes for
+sequences the engine names by integer ids. It knows nothing of requests,
+sampling or HTTP. Executors are provided by plugins through
+`lockgate_register_executors`; the built-in one is `tvm`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from lockgate.model_config import LlamaConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorOptions:
+    """Sizing and placement of an executor, from the CLI or environment."""
+
+    #: most sequences decoded in one step (the KV cache's batch dimension)
+    max_num_seqs: int = 16
+    #: tokens the KV cache holds over all sequences together
+    max_total_tokens: int = 16384
+    #: most tokens one prefill call may carry (longer prompts are chunked)
+    prefill_chunk_size: int = 512
+    #: tokens per KV page
+    page_size: int = 16
+    #: "auto" (cuda when a GPU is present, else llvm), "llvm" or "cuda"
+    target: str = "auto"
+    #: where compiled libraries are cached; None means the default cache dir
+    cache_dir: Path | None = None
+    #: CPU threads for the llvm target; None lets the runtime decide
+    num_threads: int | None = None
+    #: called with one-line progress messages while compiling and loading
+    progress: Callable[[str], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFile:
+    """A model's weights on disk together with its architecture."""
+
+    path: Path
+    config: LlamaConfig
+
+
+class Executor(abc.ABC):
+    """Forward passes over a paged KV cache.
+
+    Sequence ids are chosen by the caller, unique among live sequences.
+    Logits come back as float32 numpy arrays of shape (rows, vocab_size).
+    Methods are called from one thread (the engine's) at a time.
+    """
+
+    #: tokens per KV page
+    page_size: int
+    #: KV pages in the cache
+    total_pages: int
+    #: most sequences in one decode call
+    max_num_seqs: int
+    #: most tokens in one prefill call
+    prefill_chunk_size: int
+    #: longest sequence (prompt + generated) the executor can hold
+    max_sequence_length: int
+    #: vocabulary size, the logits' second dimension
+    vocab_size: int
+
+    @abc.abstractmethod
+    def add_sequence(self, seq_id: int) -> None:
+        """Create an empty sequence in the KV cache."""
+
+    @abc.abstractmethod
+    def remove_sequence(self, seq_id: int) -> None:
+        """Drop a sequence and return its KV pages to the pool."""
+
+    @abc.abstractmethod
+    def fork_sequence(self, parent_id: int, child_id: int) -> None:
+        """Create `child_id` sharing all of `parent_id`'s KV so far."""
+
+    @abc.abstractmethod
+    def prefill(
+        self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]
+    ) -> np.ndarray:
+        """Append each chunk of tokens to its sequence.
+
+        The chunks together hold at most `prefill_chunk_size` tokens; each is
+        non-empty. Returns the logits after the last token of every chunk,
+        shape (len(seq_ids), vocab_size).
+        """
+
+    @abc.abstractmethod
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        """Append one token to each sequence (at most `max_num_seqs`) and
+        return the next-token logits, shape (len(seq_ids), vocab_size)."""
+
+    @abc.abstractmethod
+    def free_pages(self) -> int:
+        """KV pages not held by any sequence."""
+
+    def close(self) -> None:
+        """Release the cache and weights. Idempotent."""
+
+
+ExecutorFactory = Callable[[ModelFile, ExecutorOptions], Executor]
