@@ -1,0 +1,7 @@
+"""lockgate: an OpenAI-compatible LLM server built on a pluggy hook pipeline."""
+
+from lockgate.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+__all__ = ["hookimpl", "__version__"]

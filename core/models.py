@@ -1,0 +1,189 @@
+"""Models: which ones plugins offer, loading one from a GGUF file, and the
+served set that requests name."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pluggy
+
+from lockgate.engine import Engine, EngineOptions
+from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
+from lockgate.executor import Executor, ExecutorFactory, ExecutorOptions, ModelFile
+from lockgate.model_config import LlamaConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model offered by a plugin through `lockgate_register_models`."""
+
+    name: str
+    #: returns the GGUF path; raises `ModelLoadError` saying how to get it when absent
+    locate: Callable[[], Path]
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: tokenizer, executor and the engine that serves it."""
+
+    name: str
+    path: Path
+    config: LlamaConfig
+    tokenizer: Any
+    eos_token_ids: list[int]
+    executor: Executor
+    engine: Engine
+    aliases: tuple[str, ...] = ()
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.executor.vocab_size
+
+    def card(self) -> dict[str, Any]:
+        """The model's entry in `GET /v1/models`."""
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "lockgate",
+            "max_model_len": self.context_length,
+        }
+
+
+def registered_models(pm: pluggy.PluginManager) -> dict[str, ModelSpec]:
+    """Every model plugins offer, by name and by alias."""
+    specs: dict[str, ModelSpec] = {}
+
+    def register(spec: ModelSpec) -> None:
+        for key in (spec.name, *spec.aliases):
+            specs[key] = spec
+
+    pm.hook.lockgate_register_models(register=register)
+    return specs
+
+
+def registered_executors(pm: pluggy.PluginManager) -> dict[str, ExecutorFactory]:
+    """Every executor plugins offer, by name."""
+    factories: dict[str, ExecutorFactory] = {}
+
+    def register(name: str, factory: ExecutorFactory) -> None:
+        factories[name] = factory
+
+    pm.hook.lockgate_register_executors(register=register)
+    return factories
+
+
+def load_model(
+    pm: pluggy.PluginManager,
+    model: str,
+    *,
+    executor: str = "tvm",
+    served_name: str | None = None,
+    chat_template: str | None = None,
+    executor_options: ExecutorOptions = ExecutorOptions(),
+    engine_options: EngineOptions = EngineOptions(),
+) -> Model:
+    """Load `model` (a registered name or alias, or a path to a GGUF file).
+
+    Builds the tokenizer from the file's metadata (`chat_template` text
+    overrides the file's template), compiles or loads the executor, and
+    creates the engine (not yet started).
+    """
+    import gguf
+
+    from lockgate.tokenizer import eos_token_ids, load_tokenizer
+
+    specs = registered_models(pm)
+    aliases: tuple[str, ...] = ()
+    if model in specs:
+        spec = specs[model]
+        path = Path(spec.locate())
+        name = spec.name
+        aliases = tuple(a for a in (spec.name, *spec.aliases) if a != (served_name or spec.name))
+    else:
+        path = Path(model).expanduser()
+        if not path.is_file():
+            known = ", ".join(sorted({s.name for s in specs.values()})) or "none"
+            raise ModelLoadError(
+                f"{model!r} is neither a registered model (known: {known}) nor a GGUF file"
+            )
+        name = path.name.removesuffix(".gguf")
+    factories = registered_executors(pm)
+    if executor not in factories:
+        raise ModelLoadError(
+            f"no executor named {executor!r}; registered: {', '.join(sorted(factories)) or 'none'}"
+        )
+    progress = executor_options.progress or (lambda message: None)
+    progress(f"reading {path}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read {path} as GGUF: {exc}") from exc
+    config = LlamaConfig.from_gguf(reader)
+    tokenizer = load_tokenizer(reader, chat_template=chat_template)
+    eos_ids = eos_token_ids(reader, tokenizer)
+    del reader
+    backend = factories[executor](ModelFile(path=path, config=config), executor_options)
+    engine = Engine(
+        backend,
+        tokenizer,
+        eos_token_ids=eos_ids,
+        context_length=config.context_length,
+        options=engine_options,
+        name=served_name or name,
+    )
+    return Model(
+        name=served_name or name,
+        path=path,
+        config=config,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_ids,
+        executor=backend,
+        engine=engine,
+        aliases=aliases,
+    )
+
+
+class ServedModels:
+    """The models this server answers for, looked up by a request's `model`."""
+
+    def __init__(self, models: Iterable[Model] = ()) -> None:
+        self.models: list[Model] = []
+        self._by_name: dict[str, Model] = {}
+        for model in models:
+            self.add(model)
+
+    def add(self, model: Model) -> None:
+        self.models.append(model)
+        for key in (model.name, *model.aliases):
+            self._by_name.setdefault(key, model)
+
+    def resolve(self, name: Any) -> Model:
+        """The model a request names; 400 when `model` is missing or not a
+        string, 404 when no served model has that name."""
+        if name is None:
+            raise InvalidRequestError("you must provide a model parameter", param="model")
+        if not isinstance(name, str):
+            raise InvalidRequestError("model must be a string", param="model")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise ModelNotFound(
+                f"The model '{name}' does not exist. Served models: "
+                + ", ".join(m.name for m in self.models),
+                param="model",
+            ) from None
+
+    def __iter__(self):
+        return iter(self.models)

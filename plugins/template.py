@@ -1,0 +1,33 @@
+"""Built-in `lockgate_render_prompt`: the model's chat template, or the completion prompt."""
+
+from __future__ import annotations
+
+import jinja2
+
+from lockgate.errors import InvalidMessages
+from lockgate.hookspecs import hookimpl
+
+
+def message_text(content) -> str:
+    """A message's content as text: a string, or the text parts of a list joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content)
+
+
+@hookimpl(trylast=True)
+def lockgate_render_prompt(request, model):
+    if not request.is_chat:
+        return request.prompt
+    messages = []
+    for message in request.body["messages"]:
+        rendered = dict(message)
+        rendered["content"] = message_text(message.get("content") or "")
+        messages.append(rendered)
+    try:
+        return model.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+    except jinja2.TemplateError as exc:
+        # the template refused this conversation (e.g. roles must alternate)
+        raise InvalidMessages(str(exc), param="messages") from exc

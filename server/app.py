@@ -1,0 +1,128 @@
+"""The aiohttp application.
+
+* `create_app(settings, pm=..., models=...)` for tests and embedding;
+* `init_app(argv)` for aiohttp's launcher:
+  `python -m aiohttp.web -H 127.0.0.1 -P 8000 lockgate.server.app:init_app`;
+* `app_from_env()` for gunicorn:
+  `gunicorn 'lockgate.server.app:app_from_env()' -k aiohttp.GunicornWebWorker`.
+
+Settings come from `LOCKGATE_*` environment variables where not given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterable
+
+import pluggy
+import structlog
+from aiohttp import web
+
+from lockgate.logging import configure_logging
+from lockgate.models import Model, ServedModels, load_model
+from lockgate.plugin_manager import get_plugin_manager
+from lockgate.server.config import Settings
+from lockgate.server.keys import MODELS, PLUGIN_MANAGER, SETTINGS
+
+from lockgate.server.middlewares import (
+    api_key_middleware,
+    error_middleware,
+    request_id_middleware,
+    set_request_id_header,
+)
+from lockgate.server.routes import routes
+
+log = structlog.get_logger("lockgate.server")
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    pm: pluggy.PluginManager | None = None,
+    models: Iterable[Model] | None = None,
+) -> web.Application:
+    """Build the application.
+
+    With `models`, those (already loaded) models are served and left open at
+    cleanup; otherwise `settings.model` is loaded at start-up and closed at
+    cleanup. Engines start with the app and stop with it.
+    """
+    settings = settings or Settings.from_env()
+    pm = pm or get_plugin_manager()
+    app = web.Application(
+        middlewares=[request_id_middleware, error_middleware, api_key_middleware],
+        client_max_size=settings.max_body_size,
+    )
+    app[SETTINGS] = settings
+    app[PLUGIN_MANAGER] = pm
+    app[MODELS] = ServedModels()
+    app.on_response_prepare.append(set_request_id_header)
+    app.add_routes(routes)
+    app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))
+    return app
+
+
+def _model_lifecycle(given: list[Model] | None):
+    async def lifecycle(app: web.Application):
+        loop = asyncio.get_running_loop()
+        settings = app[SETTINGS]
+        owned = given is None
+        models = given
+        if owned:
+            models = [await loop.run_in_executor(None, load_from_settings, app[PLUGIN_MANAGER], settings)]
+        for model in models:
+            app[MODELS].add(model)
+            model.engine.start(loop)
+            log.info("serving", model=model.name, context_length=model.context_length)
+        try:
+            yield
+        finally:
+            for model in models:
+                # handlers had aiohttp's shutdown timeout to finish; what is
+                # left is failed with 503 now
+                await loop.run_in_executor(None, model.engine.shutdown, 0.0)
+                if owned:
+                    model.executor.close()
+
+    return lifecycle
+
+
+def load_from_settings(pm: pluggy.PluginManager, settings: Settings) -> Model:
+    """Load the model `settings` names, reporting progress in the log."""
+    chat_template = None
+    if settings.chat_template is not None:
+        chat_template = settings.chat_template.read_text()
+    return load_model(
+        pm,
+        settings.model,
+        executor=settings.executor,
+        served_name=settings.served_model_name,
+        chat_template=chat_template,
+        executor_options=settings.executor_options(
+            progress=lambda message: log.info(message, model=settings.model)
+        ),
+        engine_options=settings.engine_options(),
+    )
+
+
+def app_from_env() -> web.Application:
+    """Logging and settings from the environment (for gunicorn)."""
+    settings = Settings.from_env()
+    configure_logging(settings.log_format, settings.log_level)
+    return create_app(settings)
+
+
+def init_app(argv: list[str] | None = None) -> web.Application:
+    """Entry for `python -m aiohttp.web ... lockgate.server.app:init_app [flags]`:
+    extra flags are those of `lockgate serve` (host and port belong to aiohttp)."""
+    from lockgate.server.cli import settings_from_args, serve_parser
+
+    args = serve_parser().parse_args(argv or [])
+    settings = settings_from_args(args)
+    configure_logging(settings.log_format, settings.log_level)
+    return create_app(settings)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run `lockgate serve` instead")

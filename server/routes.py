@@ -1,0 +1,228 @@
+"""HTTP handlers. They parse the body, run the pipeline and write the answer;
+every step of request logic lives in plugins, every error answer in the
+error middleware."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from lockgate.engine import RequestHandle, Usage
+from lockgate.errors import InvalidRequestError, ModelNotFound, Unavailable
+from lockgate.pipeline import run_pipeline
+from lockgate.types import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, Request
+from lockgate.server.keys import MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID
+from lockgate.server.middlewares import error_response
+from lockgate.server.responses import ResponseBuilder
+
+log = structlog.get_logger("lockgate.server")
+
+#: how often a waiting handler checks whether its client is still there
+DISCONNECT_POLL_SECONDS = 0.5
+
+routes = web.RouteTableDef()
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_body(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; 400 for anything else (413 comes from aiohttp)."""
+    raw = await request.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise InvalidRequestError("the request body is nested too deeply") from None
+    except ValueError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    return body
+
+
+def split_prompts(request_id: str, endpoint: str, body: dict[str, Any]) -> list[Request]:
+    """One pipeline request per prompt (completions may carry a list of prompts)."""
+    if endpoint == CHAT_ENDPOINT:
+        return [Request(id=request_id, endpoint=endpoint, body=body)]
+    prompt = body.get("prompt")
+    n = body.get("n") if isinstance(body.get("n"), int) else 1
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
+    else:
+        prompts = [prompt]
+    return [
+        Request(
+            id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
+            endpoint=endpoint,
+            body=body,
+            prompt=p,
+            choice_offset=i * max(n, 1),
+        )
+        for i, p in enumerate(prompts)
+    ]
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _merged(request: web.Request, handles: list[RequestHandle]):
+    """Deltas of all handles as they come; stops early if the client leaves."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(handle: RequestHandle) -> None:
+        try:
+            async for delta in handle:
+                await queue.put(delta)
+        except Exception as exc:
+            await queue.put(exc)
+        await queue.put(done)
+
+    tasks = [asyncio.ensure_future(pump(h)) for h in handles]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            try:
+                item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
+            except TimeoutError:
+                if _client_gone(request):
+                    raise ConnectionResetError("the client disconnected") from None
+                continue
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _usage(handles: list[RequestHandle]) -> Usage:
+    usage = Usage(prompt_tokens=0)
+    for handle in handles:
+        usage.prompt_tokens += handle.usage.prompt_tokens
+        usage.completion_tokens += handle.usage.completion_tokens
+    return usage
+
+
+async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
+    body = await read_json_body(request)
+    model = request.app[MODELS].resolve(body.get("model"))
+    request_id = request[REQUEST_ID]
+    pipeline_requests = split_prompts(request_id, endpoint, body)
+    request[PIPELINE_REQUEST] = pipeline_requests[0]
+    # everything that can refuse the request runs before a byte is sent
+    handles = await run_pipeline(request.app[PLUGIN_MANAGER], pipeline_requests, model)
+    builder = ResponseBuilder(chat=endpoint == CHAT_ENDPOINT, request_id=request_id, model=model.name)
+    try:
+        if body.get("stream") is True:
+            return await _stream(request, body, handles, builder)
+        return await _collect(request, handles, builder)
+    finally:
+        for handle in handles:
+            handle.abort()
+
+
+async def _collect(request, handles, builder: ResponseBuilder) -> web.Response:
+    texts: dict[int, list[str]] = {}
+    finish_reasons: dict[int, str | None] = {}
+    for handle in handles:
+        for i in range(handle.work.params.n):
+            texts[handle.work.choice_offset + i] = []
+    async for delta in _merged(request, handles):
+        texts[delta.index].append(delta.text)
+        if delta.finish_reason is not None:
+            finish_reasons[delta.index] = delta.finish_reason
+    joined = {index: "".join(parts) for index, parts in texts.items()}
+    return web.json_response(builder.completion(joined, finish_reasons, _usage(handles)))
+
+
+async def _stream(request, body, handles, builder: ResponseBuilder) -> web.StreamResponse:
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    response.enable_chunked_encoding()
+    await response.prepare(request)
+
+    async def send(payload: Any) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+        await response.write(f"data: {data}\n\n".encode())
+
+    try:
+        if builder.chat:
+            for handle in handles:
+                for i in range(handle.work.params.n):
+                    await send(builder.role_chunk(handle.work.choice_offset + i, include_usage))
+        async for delta in _merged(request, handles):
+            if delta.text or delta.finish_reason is not None:
+                await send(builder.delta_chunk(delta, include_usage))
+        if include_usage:
+            await send(builder.usage_chunk(_usage(handles)))
+    except ConnectionResetError:
+        log.info("client disconnected mid-stream")
+        return response
+    except Exception as exc:
+        # headers are gone: the error travels inside the stream
+        answer = error_response(request, exc)
+        try:
+            await send(answer.body())
+        except ConnectionResetError:
+            return response
+    try:
+        await send("[DONE]")
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
+    return response
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, CHAT_ENDPOINT)
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, COMPLETIONS_ENDPOINT)
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [m.card() for m in request.app[MODELS]]})
+
+
+@routes.get("/v1/models/{model:.+}")
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    for model in request.app[MODELS]:
+        if name == model.name or name in model.aliases:
+            return web.json_response(model.card())
+    raise ModelNotFound(f"The model '{name}' does not exist", param="model")
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    models = list(request.app[MODELS])
+    if not models:
+        raise Unavailable("the model is still loading")
+    for model in models:
+        if not model.engine.healthy:
+            raise Unavailable(
+                f"model {model.name} is not serving: "
+                + (model.engine.unhealthy_reason or "the server is shutting down")
+            )
+    return web.json_response({"status": "ok", "models": {m.name: m.engine.stats() for m in models}})
