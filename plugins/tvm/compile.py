@@ -1,0 +1,331 @@
+"""Compile `model.py` for a target and cache the library on disk.
+
+On `llvm`, `tvm.compile` alone applies neither fusion nor schedules, so the
+relax pipeline is spelled out here, with `CPUMatmul`, a dlight-style rule for
+the (in, out) matmuls that make up nearly all of the work. On `cuda` the
+stock `dl.gpu` rules schedule every kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import pathlib
+import tempfile
+import time
+from collections.abc import Callable
+
+import tvm
+from tvm import relax, s_tir, tirx
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.analysis.common_analysis import collect_vars_used_in_prim_expr
+from tvm.s_tir.dlight.base import ScheduleRule, try_inline_contiguous_spatial
+from tvm.target import Target
+
+from lockgate.model_config import LlamaConfig
+
+#: name of the weight dtype baked into the library
+WEIGHT_DTYPE = "float32"
+
+
+def default_cache_dir() -> pathlib.Path:
+    """`$LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate`."""
+    env = os.environ.get("LOCKGATE_CACHE_DIR")
+    if env:
+        return pathlib.Path(env)
+    return pathlib.Path.home() / ".cache" / "lockgate"
+
+
+def resolve_target(name: str) -> Target:
+    """Turn `ExecutorOptions.target` into a TVM target.
+
+    "auto" picks cuda when a CUDA device is present, else the host CPU.
+    """
+    if name == "auto":
+        name = "cuda" if tvm.cuda().exist else "llvm"
+    if name == "llvm":
+        # A target string with -mcpu is rejected by TVM 0.27; ask the device.
+        return Target.from_device(tvm.cpu())
+    if name == "cuda":
+        if not tvm.cuda().exist:
+            raise ValueError("target 'cuda' asked for, but no CUDA device is present")
+        arch = "sm_" + tvm.cuda().compute_version.replace(".", "")
+        return Target({"kind": "cuda", "arch": arch, "host": {"kind": "llvm"}})
+    raise ValueError(f"unknown target {name!r}: expected 'auto', 'llvm' or 'cuda'")
+
+
+def as_target(target: Target | dict | str) -> Target:
+    """A Target from a Target, a config dict or a target name; a cuda dict
+    without a host gets the generic llvm host."""
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, dict):
+        if target.get("kind") == "cuda" and "host" not in target:
+            target = {**target, "host": {"kind": "llvm"}}
+        return Target(target)
+    return resolve_target(target)
+
+
+class CPUMatmul(ScheduleRule):
+    """Schedule `C[m…, n] (+)= A[m…, k] * B[k, n]` with B stored (in, out).
+
+    One reduction block with S…SR iterators is tiled as (n_outer, m_outer,
+    k, m_inner, n_inner): threads split the output columns, the inner
+    `n` loop is vectorized over B's contiguous rows and a few rows of A are
+    unrolled so each loaded B vector feeds several accumulators. Producers
+    are inlined; injective epilogues (residual add, cast) are folded into
+    the write-back of the local accumulator tile.
+    """
+
+    def __init__(self, n_block: int = 128) -> None:
+        self.n_block = n_block
+
+    def apply(self, func, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline_contiguous_spatial(sch, infos)
+        if infos is None:
+            return None
+        reductions = [b for b in infos if not b.is_injective()]
+        if len(reductions) != 1:
+            return None
+        main = reductions[0]
+        kinds = main.dom_kind()
+        if kinds.count("R") != 1 or not kinds.endswith("R") or "O" in kinds or len(kinds) < 2:
+            return None
+        if not self._is_matmul(sch, main):
+            return None
+        epilogues = [b for b in infos if b is not main]
+        if any(infos.index(e) < infos.index(main) for e in epilogues):
+            return None
+
+        n_extent = main.iters[-2].dom
+        if not isinstance(n_extent, tirx.IntImm) and not isinstance(n_extent, int):
+            return None
+        n_extent = int(n_extent)
+        m_iters = main.iters[:-2]
+        static_m = all(isinstance(it.dom, (int, tirx.IntImm)) for it in m_iters)
+        m_extent = 1
+        if static_m:
+            for it in m_iters:
+                m_extent *= int(it.dom)
+
+        block = main.block_rv
+        local = sch.cache_write(block, 0, "local")
+        for epi in epilogues:
+            try:
+                sch.reverse_compute_inline(epi.block_rv)
+            except Exception:  # noqa: BLE001 - an epilogue that cannot fold stays a loop nest
+                pass
+
+        n_loop, k_loop = main.iters[-2].loop_rv, main.iters[-1].loop_rv
+        if m_iters:
+            m_loop = sch.fuse(*[it.loop_rv for it in m_iters]) if len(m_iters) > 1 else m_iters[0].loop_rv
+        else:
+            m_loop = sch.add_unit_loop(block)
+        if static_m:
+            m_inner = next(f for f in (4, 2, 1) if m_extent % f == 0)
+        else:
+            m_inner = 2
+        n_block = self.n_block if n_extent >= self.n_block else max(8, 1 << (n_extent.bit_length() - 1))
+        m_o, m_i = sch.split(m_loop, [None, m_inner])
+        n_o, n_i = sch.split(n_loop, [None, n_block])
+        sch.reorder(n_o, m_o, k_loop, m_i, n_i)
+        sch.reverse_compute_at(local, m_o, preserve_unit_loops=True)
+        sch.parallel(n_o)
+        sch.unroll(m_i)
+        sch.vectorize(n_i)
+        wb_loops = sch.get_loops(local)
+        sch.vectorize(wb_loops[-1])
+        init = sch.decompose_reduction(block, k_loop)
+        sch.vectorize(sch.get_loops(init)[-1])
+        return sch
+
+    @staticmethod
+    def _is_matmul(sch: s_tir.Schedule, main) -> bool:
+        """True when some read depends on (k, n) and none of the M iterators."""
+        stmt = sch.get(main.block_rv)
+        m_vars = {it.var for it in main.iters[:-2]}
+        n_var, k_var = main.iters[-2].var, main.iters[-1].var
+        saw_weight = False
+        for region in stmt.reads:
+            used: set = set()
+            for rng in region.region:
+                used |= collect_vars_used_in_prim_expr(rng.min)
+            if n_var in used and k_var in used and not (used & m_vars):
+                saw_weight = True
+        return saw_weight
+
+
+def cpu_pipeline() -> tvm.transform.Pass:
+    """The relax pipeline for llvm: fuse, schedule, then lower for the VM."""
+
+    @tvm.transform.module_pass(opt_level=0, name="LockgateCPUPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        seq = tvm.transform.Sequential(
+            [
+                relax.backend.DispatchSampling(),
+                relax.backend.DispatchSortScan(),
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.FoldConstant(),
+                relax.transform.FuseOps(),
+                relax.transform.FuseTIR(),
+                relax.transform.DeadCodeElimination(),
+                dl.ApplyDefaultSchedule(CPUMatmul(), dl.cpu.Reduction()),
+                relax.transform.RewriteDataflowReshape(),
+                relax.transform.ToNonDataflow(),
+                relax.transform.RemovePurityChecking(),
+                relax.transform.CallTIRRewrite(),
+                relax.transform.StaticPlanBlockMemory(),
+                relax.transform.LowerAllocTensor(),
+                relax.transform.KillAfterLastUse(),
+                relax.transform.LowerRuntimeBuiltin(),
+                relax.transform.ComputePrimValue(),
+                relax.transform.VMShapeLower(),
+                relax.transform.AttachGlobalSymbol(),
+            ]
+        )
+        return seq(mod)
+
+    return _pipeline
+
+
+def cuda_pipeline() -> tvm.transform.Pass:
+    """The relax pipeline for cuda: the same lowering with `dl.gpu` rules."""
+
+    @tvm.transform.module_pass(opt_level=0, name="LockgateCUDAPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        seq = tvm.transform.Sequential(
+            [
+                relax.backend.DispatchSampling(),
+                relax.backend.DispatchSortScan(),
+                relax.transform.FuseTransposeMatmul(),
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.FoldConstant(),
+                relax.transform.FuseOps(),
+                relax.transform.FuseTIR(),
+                relax.transform.DeadCodeElimination(),
+                dl.ApplyDefaultSchedule(
+                    dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
+                ),
+                relax.transform.RewriteDataflowReshape(),
+                relax.transform.ToNonDataflow(),
+                relax.transform.RemovePurityChecking(),
+                relax.transform.CallTIRRewrite(),
+                relax.transform.StaticPlanBlockMemory(),
+                relax.transform.LowerAllocTensor(),
+                relax.transform.KillAfterLastUse(),
+                relax.transform.LowerRuntimeBuiltin(),
+                relax.transform.ComputePrimValue(),
+                relax.transform.VMShapeLower(),
+                relax.transform.AttachGlobalSymbol(),
+            ]
+        )
+        return seq(mod)
+
+    return _pipeline
+
+
+_SOURCE_FILES = ("model.py", "compile.py", "kernels.py")
+
+
+def cache_key(config: LlamaConfig, target: Target) -> str:
+    """Hash of everything the compiled library depends on.
+
+    Batch, page and chunk sizes are symbolic in the library, so they are not
+    part of the key.
+    """
+    here = pathlib.Path(__file__).parent
+    h = hashlib.sha256()
+    h.update(json.dumps(config.as_dict(), sort_keys=True).encode())
+    h.update(WEIGHT_DTYPE.encode())
+    h.update(str(target).encode())
+    h.update(tvm.__version__.encode())
+    for name in _SOURCE_FILES:
+        path = here / name
+        if path.exists():
+            h.update(name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:24]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledModel:
+    """A compiled library on disk and the parameters it expects."""
+
+    library: pathlib.Path
+    #: (name, shape) of each parameter, in the order the functions take them
+    params: list[tuple[str, tuple[int, ...]]]
+    target: Target
+    #: True when the library came from the cache rather than a fresh compile
+    cached: bool
+
+
+def _write_atomically(path: pathlib.Path, write: Callable[[str], None], suffix: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def build_module(config: LlamaConfig, target: Target):
+    """Export the model and compile it: (relax Executable, named params)."""
+    from lockgate.plugins.tvm.model import LlamaForCausalLM
+
+    model = LlamaForCausalLM(config, target)
+    mod, named_params = model.export_tvm(spec=model.export_spec())
+    pipeline = cpu_pipeline() if target.kind.name == "llvm" else cuda_pipeline()
+    with target:
+        executable = tvm.compile(mod, target=target, relax_pipeline=pipeline)
+    params = [(name, tuple(int(d) for d in p.shape)) for name, p in named_params]
+    return executable, params
+
+
+def compile_model(
+    config: LlamaConfig,
+    target: Target,
+    cache_dir: pathlib.Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> CompiledModel:
+    """The compiled library for (config, target), from the cache or built now.
+
+    The library and its manifest are each written to a temporary file and
+    renamed into place, so concurrent starts never read half a file; the
+    manifest goes last and marks the entry complete.
+    """
+    cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    key = cache_key(config, target)
+    library = cache_dir / f"lockgate-{key}.so"
+    manifest = cache_dir / f"lockgate-{key}.json"
+    if library.exists() and manifest.exists():
+        try:
+            params = [(n, tuple(s)) for n, s in json.loads(manifest.read_text())["params"]]
+            return CompiledModel(library, params, target, cached=True)
+        except (ValueError, KeyError, TypeError):
+            pass
+    if progress is not None:
+        progress(f"compiling for {target.kind.name}…")
+    started = time.monotonic()
+    executable, params = build_module(config, target)
+    _write_atomically(library, lambda tmp: executable.export_library(tmp), ".so")
+    body = json.dumps({"params": params, "target": str(target), "tvm": tvm.__version__})
+    _write_atomically(manifest, lambda tmp: pathlib.Path(tmp).write_text(body), ".json")
+    if progress is not None:
+        progress(f"compiled for {target.kind.name} in {time.monotonic() - started:.1f} s")
+    return CompiledModel(library, params, target, cached=False)

@@ -1,0 +1,267 @@
+"""The TVM executor: a compiled Llama model over TVM's paged KV cache."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import gguf
+import numpy as np
+
+from lockgate.errors import ModelLoadError
+from lockgate.executor import Executor, ExecutorOptions, ModelFile
+
+
+def _set_num_threads(num_threads: int | None) -> None:
+    if num_threads is None:
+        return
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+    # The pool reads the variable when it first starts; the explicit call
+    # resizes a pool that another executor in this process already started.
+    os.environ["TVM_NUM_THREADS"] = str(num_threads)
+    import tvm
+
+    tvm.get_global_func("runtime.config_threadpool")(1, num_threads)
+
+
+class TVMExecutor(Executor):
+    """Runs `embed`, `batch_prefill` and `batch_decode` of a compiled model.
+
+    Sequence lengths are mirrored on the Python side so that caller mistakes
+    (unknown ids, over-long sequences, oversized chunks) are refused with
+    `ValueError` before the KV cache is touched.
+    """
+
+    def __init__(self, model_file: ModelFile, options: ExecutorOptions) -> None:
+        for name in ("max_num_seqs", "max_total_tokens", "prefill_chunk_size", "page_size"):
+            if getattr(options, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(options, name)}")
+        _set_num_threads(options.num_threads)
+
+        import tvm
+        from tvm import relax
+        from tvm_ffi import Shape
+
+        from lockgate.plugins.tvm.compile import compile_model, resolve_target
+        from lockgate.plugins.tvm.weights import load_gguf_weights
+
+        self._progress = options.progress or (lambda _msg: None)
+        self._Shape = Shape
+        config = model_file.config
+        self.config = config
+        target = resolve_target(options.target)
+        self.compiled = compile_model(config, target, options.cache_dir, options.progress)
+        self.device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
+
+        self._progress("loading weights…")
+        try:
+            reader = gguf.GGUFReader(model_file.path)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
+        arrays = load_gguf_weights(reader, config, self.compiled.params, options.progress)
+        del reader
+        self._params = [tvm.runtime.tensor(a, self.device) for a in arrays]
+        del arrays
+
+        self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.compiled.library)), self.device)
+        self._embed = self._vm["embed"]
+        self._prefill = self._vm["batch_prefill"]
+        self._decode = self._vm["batch_decode"]
+        f = tvm.get_global_func
+        self._add_seq = f("vm.builtin.kv_state_add_sequence")
+        self._remove_seq = f("vm.builtin.kv_state_remove_sequence")
+        self._fork_seq = f("vm.builtin.kv_state_fork_sequence")
+        self._begin = f("vm.builtin.kv_state_begin_forward")
+        self._end = f("vm.builtin.kv_state_end_forward")
+        self._available_pages = f("vm.builtin.attention_kv_cache_get_num_available_pages")
+
+        self.page_size = options.page_size
+        self.max_num_seqs = options.max_num_seqs
+        self.prefill_chunk_size = options.prefill_chunk_size
+        pages = math.ceil(options.max_total_tokens / options.page_size)
+        self._kv = self._vm["create_tir_paged_kv_cache"](
+            Shape([options.max_num_seqs]),
+            Shape([pages * options.page_size]),
+            Shape([options.prefill_chunk_size]),
+            Shape([options.page_size]),
+        )
+        self.total_pages = int(self._available_pages(self._kv))
+        self.max_sequence_length = min(config.context_length, self.total_pages * self.page_size)
+        self.vocab_size = config.vocab_size
+        self._lengths: dict[int, int] = {}
+        self._closed = False
+        self._progress("model ready")
+
+    # sequences
+
+    def add_sequence(self, seq_id: int) -> None:
+        self._check_open()
+        seq_id = self._as_id(seq_id)
+        if seq_id in self._lengths:
+            raise ValueError(f"sequence {seq_id} already exists")
+        self._add_seq(self._kv, seq_id)
+        self._lengths[seq_id] = 0
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self._check_open()
+        seq_id = self._known(seq_id)
+        self._remove_seq(self._kv, seq_id)
+        del self._lengths[seq_id]
+
+    def fork_sequence(self, parent_id: int, child_id: int) -> None:
+        self._check_open()
+        parent_id = self._known(parent_id)
+        child_id = self._as_id(child_id)
+        if child_id in self._lengths:
+            raise ValueError(f"sequence {child_id} already exists")
+        if self._lengths[parent_id] == 0:
+            raise ValueError(f"cannot fork sequence {parent_id}: it holds no tokens yet")
+        self._fork_seq(self._kv, parent_id, child_id, -1)
+        self._lengths[child_id] = self._lengths[parent_id]
+
+    def free_pages(self) -> int:
+        self._check_open()
+        return int(self._available_pages(self._kv))
+
+    # forward passes
+
+    def prefill(
+        self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]
+    ) -> np.ndarray:
+        self._check_open()
+        ids = self._batch_ids(seq_ids)
+        if len(token_ids) != len(ids):
+            raise ValueError(f"{len(ids)} sequence ids but {len(token_ids)} token chunks")
+        chunks = [self._tokens(chunk) for chunk in token_ids]
+        lengths = [len(c) for c in chunks]
+        if any(n == 0 for n in lengths):
+            raise ValueError("every prefill chunk must hold at least one token")
+        total = sum(lengths)
+        if total > self.prefill_chunk_size:
+            raise ValueError(
+                f"prefill of {total} tokens exceeds prefill_chunk_size {self.prefill_chunk_size}"
+            )
+        self._check_room(ids, lengths)
+        flat = np.concatenate(chunks)
+        embeds = self._embed_tokens(flat).view_as((1, total, self.config.hidden_size))
+        positions = np.cumsum(lengths, dtype=np.int32) - 1
+        logits = self._forward(
+            ids, lengths, lambda: self._prefill(embeds.tensor, self._to_device(positions), self._kv, self._params)
+        )
+        return logits.reshape(len(ids), self.vocab_size)
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        self._check_open()
+        ids = self._batch_ids(seq_ids)
+        tokens = self._tokens(token_ids)
+        if len(tokens) != len(ids):
+            raise ValueError(f"{len(ids)} sequence ids but {len(tokens)} tokens")
+        lengths = [1] * len(ids)
+        self._check_room(ids, lengths)
+        embeds = self._embed_tokens(tokens).view_as((len(ids), 1, self.config.hidden_size))
+        logits = self._forward(ids, lengths, lambda: self._decode(embeds.tensor, self._kv, self._params))
+        return logits.reshape(len(ids), self.vocab_size)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._kv = None
+        self._params = None
+        self._embed = self._prefill = self._decode = None
+        self._vm = None
+        self._lengths.clear()
+
+    # helpers
+
+    def _forward(self, ids: list[int], lengths: list[int], run) -> np.ndarray:
+        self._begin(self._kv, self._Shape(ids), self._Shape(lengths))
+        for seq_id, n in zip(ids, lengths):
+            self._lengths[seq_id] += n
+        try:
+            out = run()
+        finally:
+            self._end(self._kv)
+        logits = out[0] if not hasattr(out, "numpy") else out
+        return np.asarray(logits.numpy(), dtype=np.float32)
+
+    def _embed_tokens(self, tokens: np.ndarray) -> "_View":
+        out = self._embed(self._to_device(tokens), self._params)
+        return _View(out)
+
+    def _to_device(self, array: np.ndarray):
+        import tvm
+
+        return tvm.runtime.tensor(np.ascontiguousarray(array, dtype=np.int32), self.device)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the executor is closed")
+
+    @staticmethod
+    def _as_id(seq_id) -> int:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
+            raise ValueError(f"sequence ids are integers, got {seq_id!r}")
+        seq_id = int(seq_id)
+        if seq_id < 0:
+            raise ValueError(f"sequence ids are non-negative, got {seq_id}")
+        return seq_id
+
+    def _known(self, seq_id) -> int:
+        seq_id = self._as_id(seq_id)
+        if seq_id not in self._lengths:
+            raise ValueError(f"unknown sequence id {seq_id}")
+        return seq_id
+
+    def _batch_ids(self, seq_ids: Sequence[int]) -> list[int]:
+        ids = [self._known(s) for s in seq_ids]
+        if not ids:
+            raise ValueError("no sequences given")
+        if len(set(ids)) != len(ids):
+            raise ValueError("a sequence id appears twice in one call")
+        if len(ids) > self.max_num_seqs:
+            raise ValueError(f"{len(ids)} sequences exceed max_num_seqs {self.max_num_seqs}")
+        return ids
+
+    def _tokens(self, tokens: Sequence[int]) -> np.ndarray:
+        array = np.asarray(tokens)
+        if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+            raise ValueError("token ids must be a flat sequence of integers")
+        if array.size and (array.min() < 0 or array.max() >= self.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        return array.astype(np.int32)
+
+    def _check_room(self, ids: list[int], lengths: list[int]) -> None:
+        needed = 0
+        for seq_id, n in zip(ids, lengths):
+            old = self._lengths[seq_id]
+            if old + n > self.max_sequence_length:
+                raise ValueError(
+                    f"sequence {seq_id} would grow to {old + n} tokens, over the "
+                    f"limit of {self.max_sequence_length}"
+                )
+            needed += -(-(old + n) // self.page_size) - (-(-old // self.page_size))
+        free = self.free_pages()
+        if needed > free:
+            raise ValueError(f"{needed} KV pages needed but only {free} are free")
+
+
+class _View:
+    """A device tensor and its reshaped view, kept together so the base
+    outlives the view."""
+
+    def __init__(self, tensor) -> None:
+        self.base = tensor
+        self.tensor = tensor
+
+    def view_as(self, shape: tuple[int, ...]) -> "_View":
+        self.tensor = self.base._create_view(shape)
+        return self
+
+
+def create_executor(model_file: ModelFile, options: ExecutorOptions) -> TVMExecutor:
+    """Build a `TVMExecutor`: compile (or take from the cache), load the
+    GGUF weights and allocate the KV cache."""
+    return TVMExecutor(model_file, options)

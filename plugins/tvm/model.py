@@ -1,0 +1,194 @@
+"""A Llama-family decoder written with `tvm.relax.frontend.nn`.
+
+Linear weights are stored (in, out) and applied as `op.matmul(x, W)` so the
+output axis is contiguous in memory, which is what the CPU matmul schedule in
+`compile.py` vectorizes over. The q/k/v and gate/up projections are fused into
+one weight each. With tied embeddings a single (hidden, vocab) matrix serves
+as both the LM head and, gathered column-wise, the token embedding.
+"""
+
+from __future__ import annotations
+
+from tvm import relax as rx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.target import Target
+
+from lockgate.model_config import LlamaConfig
+
+#: the activation and KV cache dtype; weights are float32 too for now
+DTYPE = "float32"
+
+
+class Linear(nn.Module):
+    """y = x @ W with W stored (in_features, out_features)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        self.weight = nn.Parameter((in_features, out_features), DTYPE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return op.matmul(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        self.weight = nn.Parameter((hidden_size,), DTYPE)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return op.rms_norm(x, self.weight, axes=[-1], epsilon=self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_id: int) -> None:
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = Linear(config.hidden_size, qkv_out)
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size)
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
+        b, s, _ = x.shape
+        qkv = op.reshape(
+            self.qkv_proj(x),
+            (b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim),
+        )
+        out = kv_cache.attention_with_fused_qkv(
+            self.layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5
+        )
+        return self.o_proj(op.reshape(out, (b, s, self.num_heads * self.head_dim)))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_id: int) -> None:
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The exported model.
+
+    Functions (see `export_spec`): `embed(input_ids)`, `batch_prefill(embeds,
+    logit_positions, kv)`, `batch_decode(embeds, kv)` and
+    `create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page)`.
+    """
+
+    def __init__(self, config: LlamaConfig, target: Target) -> None:
+        self.config = config
+        self.target = target
+        if not config.tie_word_embeddings:
+            self.embed_tokens = nn.Parameter((config.vocab_size, config.hidden_size), DTYPE)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, i) for i in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        if self.config.tie_word_embeddings:
+            # Column gather from the (hidden, vocab) head: a strided read of a
+            # few rows costs far less than a second copy of the matrix.
+            columns = op.take(self.lm_head.weight, input_ids, axis=1)
+            return op.permute_dims(columns, [1, 0])
+        return op.take(self.embed_tokens, input_ids, axis=0)
+
+    def _body(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, kv_cache)
+        return x
+
+    def batch_prefill(
+        self, input_embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache
+    ):
+        hidden = self._body(input_embeds, kv_cache)
+        # Only the rows whose logits are wanted go through the norm and head.
+        hidden = op.take(hidden, logit_positions, axis=1)
+        return self.lm_head(self.norm(hidden)), kv_cache
+
+    def batch_decode(self, input_embeds: Tensor, kv_cache: PagedKVCache):
+        hidden = self._body(input_embeds, kv_cache)
+        return self.lm_head(self.norm(hidden)), kv_cache
+
+    def create_tir_paged_kv_cache(
+        self,
+        max_batch_size,
+        max_total_seq_len,
+        prefill_chunk_size,
+        page_size,
+    ) -> PagedKVCache:
+        c = self.config
+        return TIRPagedKVCache(
+            attn_kind="mha",
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=0,
+            layer_partition=rx.ShapeExpr([0, c.num_layers]),
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_heads,
+            num_key_value_heads=c.num_kv_heads,
+            qk_head_dim=c.head_dim,
+            v_head_dim=c.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NORMAL,
+            rope_scale=1,
+            rope_theta=c.rope_theta,
+            rope_scaling={},
+            rope_ext_factors=rx.prim_value(0),
+            rotary_dim=c.head_dim,
+            enable_disaggregation=False,
+            dtype=DTYPE,
+            target=self.target,
+        )
+
+    def export_spec(self) -> dict:
+        """The `export_tvm` spec: packed parameters last, no effects."""
+        hidden = self.config.hidden_size
+        packed = {"param_mode": "packed", "effect_mode": "none"}
+        kv = nn.spec.Object(object_type=PagedKVCache)
+        return {
+            "embed": {
+                "input_ids": nn.spec.Tensor(["num_tokens"], "int32"),
+                "$": packed,
+            },
+            "batch_prefill": {
+                "input_embeds": nn.spec.Tensor([1, "num_tokens", hidden], DTYPE),
+                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                "kv_cache": kv,
+                "$": packed,
+            },
+            "batch_decode": {
+                "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], DTYPE),
+                "kv_cache": kv,
+                "$": packed,
+            },
+            "create_tir_paged_kv_cache": {
+                "max_batch_size": int,
+                "max_total_seq_len": int,
+                "prefill_chunk_size": int,
+                "page_size": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }

@@ -1,0 +1,329 @@
+"""The TVM executor on a tiny random model, against an independent numpy forward.
+
+The numpy reference reads the GGUF as llama.cpp does: weights in the file's
+own row order with interleaved-pair RoPE. The executor undoes the Q/K
+permutation and uses rotate-half RoPE, so agreement checks that step too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from tiny_model import write_tiny_gguf  # noqa: E402
+
+from lockgate.errors import ModelLoadError  # noqa: E402
+from lockgate.executor import ExecutorOptions, ModelFile  # noqa: E402
+from lockgate.model_config import LlamaConfig  # noqa: E402
+
+PROMPT = [1, 70, 71, 72, 260, 261, 262, 30, 40, 50, 2, 198]
+DECODE_TOKENS = [265, 3, 100, 290]
+
+
+# numpy reference -----------------------------------------------------------
+
+
+def _read(reader: gguf.GGUFReader, name: str) -> np.ndarray:
+    t = next(t for t in reader.tensors if t.name == name)
+    shape = tuple(reversed([int(d) for d in t.shape]))
+    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        values = np.asarray(t.data, dtype=np.float64)
+    else:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+    return values.reshape(shape)
+
+
+def reference_logits(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
+    """Logits after every token, (len(tokens), vocab), in float64."""
+    reader = gguf.GGUFReader(path)
+    c = LlamaConfig.from_gguf(reader)
+    names = {t.name for t in reader.tensors}
+    embed = _read(reader, "token_embd.weight")
+    head = _read(reader, "output.weight") if "output.weight" in names else embed
+    x = embed[tokens]
+    n, d = len(tokens), c.head_dim
+    pos = np.arange(n)[:, None]
+    inv_freq = c.rope_theta ** (-np.arange(0, d, 2) / d)
+    cos, sin = np.cos(pos * inv_freq), np.sin(pos * inv_freq)
+
+    def rms(v, w):
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + c.rms_norm_eps) * w
+
+    def rope_interleaved(v):  # (n, heads, d): rotate pairs (2i, 2i+1)
+        even, odd = v[..., 0::2], v[..., 1::2]
+        out = np.empty_like(v)
+        out[..., 0::2] = even * cos[:, None] - odd * sin[:, None]
+        out[..., 1::2] = even * sin[:, None] + odd * cos[:, None]
+        return out
+
+    mask = np.triu(np.full((n, n), -np.inf), 1)
+    group = c.num_heads // c.num_kv_heads
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        h = rms(x, _read(reader, p + "attn_norm.weight"))
+        q = rope_interleaved((h @ _read(reader, p + "attn_q.weight").T).reshape(n, c.num_heads, d))
+        k = rope_interleaved((h @ _read(reader, p + "attn_k.weight").T).reshape(n, c.num_kv_heads, d))
+        v = (h @ _read(reader, p + "attn_v.weight").T).reshape(n, c.num_kv_heads, d)
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d) + mask
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, -1)
+        x = x + attn @ _read(reader, p + "attn_output.weight").T
+        h = rms(x, _read(reader, p + "ffn_norm.weight"))
+        gate = h @ _read(reader, p + "ffn_gate.weight").T
+        up = h @ _read(reader, p + "ffn_up.weight").T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ _read(reader, p + "ffn_down.weight").T
+    return rms(x, _read(reader, "output_norm.weight")) @ head.T
+
+
+# fixtures ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("tvm-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_files(tmp_path_factory) -> dict[str, pathlib.Path]:
+    d = tmp_path_factory.mktemp("tiny")
+    files = {t: write_tiny_gguf(d / f"tiny-{t}.gguf", tensor_type=t) for t in ("F32", "Q8_0", "Q4_1")}
+    files["untied"] = write_tiny_gguf(d / "tiny-untied.gguf", tie_word_embeddings=False, seed=3)
+    return files
+
+
+def make_executor(path: pathlib.Path, cache: pathlib.Path, **options):
+    from lockgate.plugins.tvm.executor import create_executor
+
+    config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
+    opts = {"max_num_seqs": 4, "max_total_tokens": 1024, "prefill_chunk_size": 64, "page_size": 16}
+    opts.update(options)
+    return create_executor(ModelFile(path, config), ExecutorOptions(cache_dir=cache, **opts))
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_files, compile_cache):
+    ex = make_executor(tiny_files["F32"], compile_cache)
+    yield ex
+    ex.close()
+
+
+@pytest.fixture
+def seqs(executor):
+    """Hands out fresh sequence ids and removes them after the test."""
+    made: list[int] = []
+
+    def new(seq_id: int | None = None) -> int:
+        seq_id = max(made, default=100) + 1 if seq_id is None else seq_id
+        executor.add_sequence(seq_id)
+        made.append(seq_id)
+        return seq_id
+
+    yield new
+    for seq_id in made:
+        executor.remove_sequence(seq_id)
+    assert executor.free_pages() == executor.total_pages
+
+
+def greedy(executor, seq_id: int, logits: np.ndarray, steps: int) -> list[int]:
+    out = []
+    for _ in range(steps):
+        token = int(logits.argmax())
+        out.append(token)
+        logits = executor.decode([seq_id], [token])[0]
+    return out
+
+
+# tests ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_1", "untied"])
+def test_logits_match_numpy_reference(kind, tiny_files, compile_cache):
+    path = tiny_files[kind]
+    ex = make_executor(path, compile_cache)
+    try:
+        expected = reference_logits(path, PROMPT + DECODE_TOKENS)
+        ex.add_sequence(0)
+        got = [ex.prefill([0], [PROMPT])[0]]
+        for token in DECODE_TOKENS[:-1]:
+            got.append(ex.decode([0], [token])[0])
+        got = np.stack(got)
+        want = expected[len(PROMPT) - 1 : len(PROMPT) + len(DECODE_TOKENS) - 1]
+        assert got.shape == (len(DECODE_TOKENS), ex.vocab_size)
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, atol=2e-3, rtol=1e-3)
+        assert (got.argmax(-1) == want.argmax(-1)).all()
+        assert np.std(want) > 0.5, "the tiny model's logits should not be flat"
+    finally:
+        ex.close()
+
+
+def test_executor_attributes(executor):
+    assert executor.vocab_size == 299
+    assert executor.page_size == 16
+    assert executor.max_num_seqs == 4
+    assert executor.prefill_chunk_size == 64
+    assert executor.total_pages >= 1024 // 16
+    assert executor.max_sequence_length == min(512, executor.total_pages * 16)
+    assert executor.free_pages() == executor.total_pages
+
+
+def test_ragged_prefill_and_batched_decode_equal_single(executor, seqs):
+    prompts = [PROMPT, [1, 80, 81, 82, 83, 84, 85], [5]]
+    alone = []
+    for prompt in prompts:
+        s = seqs()
+        logits = executor.prefill([s], [prompt])
+        tokens = greedy(executor, s, logits[0], 5)
+        alone.append((logits[0], tokens))
+
+    ids = [seqs() for _ in prompts]
+    logits = executor.prefill(ids, prompts)
+    for row, (want, _) in zip(logits, alone):
+        np.testing.assert_allclose(row, want, atol=1e-4, rtol=1e-4)
+    outs = [[] for _ in ids]
+    for _ in range(5):
+        tokens = [int(row.argmax()) for row in logits]
+        for out, t in zip(outs, tokens):
+            out.append(t)
+        logits = executor.decode(ids, tokens)
+    assert outs == [tokens for _, tokens in alone]
+
+
+def test_chunked_prefill_equals_one_shot(executor, seqs):
+    whole, split = seqs(), seqs()
+    one_shot = executor.prefill([whole], [PROMPT])[0]
+    executor.prefill([split], [PROMPT[:5]])
+    chunked = executor.prefill([split], [PROMPT[5:]])[0]
+    np.testing.assert_allclose(chunked, one_shot, atol=1e-4, rtol=1e-4)
+    assert greedy(executor, split, chunked, 4) == greedy(executor, whole, one_shot, 4)
+
+
+def test_fork_continues_like_parent(executor, seqs):
+    parent = seqs()
+    logits = executor.prefill([parent], [PROMPT + [3] * 9])[0]
+    child = 777
+    executor.fork_sequence(parent, child)
+    try:
+        token = int(logits.argmax())
+        from_child = executor.decode([child], [token])[0]
+        from_parent = executor.decode([parent], [token])[0]
+        np.testing.assert_allclose(from_child, from_parent, atol=1e-5)
+        both = executor.decode([parent, child], [7, 7])
+        np.testing.assert_allclose(both[0], both[1], atol=1e-5)
+    finally:
+        executor.remove_sequence(child)
+
+
+def test_remove_returns_pages(executor):
+    total = executor.total_pages
+    executor.add_sequence(5)
+    executor.prefill([5], [list(range(3, 3 + 40))])
+    assert executor.free_pages() == total - 3
+    executor.fork_sequence(5, 6)
+    executor.decode([5, 6], [4, 4])
+    assert executor.free_pages() < total - 3
+    executor.remove_sequence(5)
+    executor.remove_sequence(6)
+    assert executor.free_pages() == total
+
+
+def test_caller_mistakes_raise_value_error(executor, seqs):
+    s = seqs()
+    with pytest.raises(ValueError, match="unknown sequence"):
+        executor.prefill([999], [[1, 2]])
+    with pytest.raises(ValueError, match="unknown sequence"):
+        executor.decode([999], [1])
+    with pytest.raises(ValueError, match="unknown sequence"):
+        executor.remove_sequence(999)
+    with pytest.raises(ValueError, match="at least one token"):
+        executor.prefill([s], [[]])
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        executor.prefill([s], [[5] * 65])
+    with pytest.raises(ValueError, match="out of range"):
+        executor.prefill([s], [[5, 299]])
+    with pytest.raises(ValueError, match="already exists"):
+        executor.add_sequence(s)
+    with pytest.raises(ValueError, match="twice"):
+        executor.decode([s, s], [1, 1])
+    with pytest.raises(ValueError):
+        executor.decode([s], [1, 2])
+    with pytest.raises(ValueError, match="holds no tokens"):
+        executor.fork_sequence(s, 4242)
+    others = [seqs() for _ in range(4)]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        executor.decode([s, *others], [1] * 5)
+    assert executor.free_pages() == executor.total_pages
+
+    reference = seqs()
+    want = executor.prefill([reference], [PROMPT])[0]
+    np.testing.assert_allclose(executor.prefill([s], [PROMPT])[0], want, atol=1e-5)
+
+
+def test_sequence_length_limit(tiny_files, compile_cache):
+    ex = make_executor(tiny_files["F32"], compile_cache, max_total_tokens=64, prefill_chunk_size=64)
+    try:
+        assert ex.max_sequence_length <= ex.total_pages * ex.page_size
+        ex.add_sequence(0)
+        remaining = ex.max_sequence_length - 1
+        while remaining:
+            n = min(remaining, ex.prefill_chunk_size)
+            ex.prefill([0], [[5] * n])
+            remaining -= n
+        ex.decode([0], [5])
+        with pytest.raises(ValueError, match="limit"):
+            ex.decode([0], [5])
+    finally:
+        ex.close()
+    ex.close()
+
+
+def test_second_start_reuses_compiled_library(tiny_files, tmp_path):
+    messages: list[str] = []
+    first = make_executor(tiny_files["F32"], tmp_path, progress=messages.append)
+    library = first.compiled.library
+    assert not first.compiled.cached
+    assert any("compiling" in m for m in messages)
+    first.close()
+    stamp = library.stat().st_mtime_ns
+    libraries = sorted(tmp_path.glob("*.so"))
+
+    messages.clear()
+    second = make_executor(tiny_files["F32"], tmp_path, progress=messages.append)
+    try:
+        assert second.compiled.cached
+        assert second.compiled.library == library
+        assert library.stat().st_mtime_ns == stamp
+        assert sorted(tmp_path.glob("*.so")) == libraries
+        assert not any("compiling" in m for m in messages)
+        assert not list(tmp_path.glob(".tmp-*"))
+        second.add_sequence(1)
+        assert second.prefill([1], [PROMPT]).shape == (1, 299)
+    finally:
+        second.close()
+
+
+def test_weight_errors_are_model_load_errors(tiny_files):
+    from lockgate.plugins.tvm.weights import load_gguf_weights
+
+    reader = gguf.GGUFReader(tiny_files["F32"])
+    config = LlamaConfig.from_gguf(reader)
+    params = [("lm_head.weight", (64, 299)), ("layers.0.input_layernorm.weight", (64,))]
+    arrays = load_gguf_weights(reader, config, params)
+    assert [a.shape for a in arrays] == [(64, 299), (64,)]
+
+    wrong = dataclasses.replace(config, intermediate_size=96)
+    with pytest.raises(ModelLoadError, match="ffn_gate"):
+        load_gguf_weights(reader, wrong, [("layers.0.mlp.gate_up_proj.weight", (64, 192))])
+    with pytest.raises(ModelLoadError, match="blk.7"):
+        load_gguf_weights(reader, config, [("layers.7.input_layernorm.weight", (64,))])
+    with pytest.raises(ModelLoadError, match="no GGUF tensor"):
+        load_gguf_weights(reader, config, [("bogus.weight", (1,))])
