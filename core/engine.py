@@ -194,8 +194,12 @@ class Engine:
     # ----------------------------------------------------------- lifecycle
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the engine thread; results are delivered on `loop`."""
+        """Start (or restart, after `shutdown`) the engine thread; results are
+        delivered on `loop`."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already running")
         self._loop = loop
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"lockgate-{self.name}", daemon=True)
         self._thread.start()
 

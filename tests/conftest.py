@@ -1,0 +1,106 @@
+"""Shared fixtures: a tiny real model (random weights, real TVM executor), apps
+built per test, and the openai SDK pointed at a live server on loopback."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import openai
+import pytest
+
+from lockgate.engine import EngineOptions
+from lockgate.executor import ExecutorOptions
+from lockgate.models import load_model
+from lockgate.plugin_manager import get_plugin_manager
+from lockgate.server.app import create_app
+from lockgate.server.config import Settings
+from tiny_model import write_tiny_gguf
+
+# Tests never pick up plugins installed in the environment by accident.
+os.environ.setdefault("LOCKGATE_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+TINY_EXECUTOR = dict(max_num_seqs=8, max_total_tokens=4096, prefill_chunk_size=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> pathlib.Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def load_tiny(tiny_gguf):
+    """Load the tiny model with its own engine: `load_tiny(chat_template=..., max_queue=...)`.
+
+    Compilation is cached on disk, so every load after the first is quick.
+    """
+    loaded = []
+
+    def load(*, pm=None, chat_template=None, executor_options=None, **engine_options):
+        model = load_model(
+            pm or get_plugin_manager(autoload=False),
+            str(tiny_gguf),
+            served_name="tiny",
+            chat_template=chat_template,
+            executor_options=ExecutorOptions(**{**TINY_EXECUTOR, **(executor_options or {})}),
+            engine_options=EngineOptions(**engine_options),
+        )
+        loaded.append(model)
+        return model
+
+    yield load
+    for model in loaded:
+        model.engine.shutdown()
+        model.executor.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(load_tiny):
+    """One shared tiny model for tests that leave its engine healthy."""
+    return load_tiny()
+
+
+@pytest.fixture
+def make_client(aiohttp_client):
+    """`await make_client(model, plugins=[...], **settings)`: a test client of a fresh app."""
+
+    async def make(model, *, plugins=(), **settings):
+        pm = get_plugin_manager(autoload=False, plugins=plugins)
+        app = create_app(Settings(**settings), pm=pm, models=[model])
+        return await aiohttp_client(app)
+
+    return make
+
+
+@pytest.fixture
+async def make_openai(make_client):
+    """`await make_openai(model, ...)`: an `openai.AsyncOpenAI` talking to a live
+    server on loopback (no retries, so every status is seen as sent)."""
+
+    clients = []
+
+    async def make(model, *, api_key="test-key", **kwargs):
+        client = await make_client(model, **kwargs)
+        sdk = openai.AsyncOpenAI(
+            base_url=str(client.make_url("/v1")), api_key=api_key, max_retries=0, timeout=120
+        )
+        clients.append(sdk)
+        return sdk
+
+    yield make
+    for sdk in clients:
+        await sdk.close()
+
+
+async def wait_idle(engine, timeout: float = 10.0) -> dict:
+    """Wait until the engine holds no request and no KV page; return its stats."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        idle = stats["requests_running"] == 0 and stats["requests_waiting"] == 0
+        if idle and stats["kv_pages_used"] == 0 or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.02)
