@@ -259,25 +259,22 @@ class Engine:
                 f"n must be at most {min(self.options.max_n, self.executor.max_num_seqs)}",
                 param="n",
             )
-        if params.max_tokens is None:
-            if prompt_len >= self.context_length:
-                raise ContextLengthExceeded(
-                    f"This model's maximum context length is {self.context_length} tokens. "
-                    f"However, your prompt is {prompt_len} tokens, which leaves no room "
-                    "for a completion. Please reduce the length of the prompt.",
-                    param=work.prompt_param,
-                )
-            max_tokens = self.context_length - prompt_len
-        else:
-            max_tokens = params.max_tokens
-            if prompt_len + max_tokens > self.context_length:
-                raise ContextLengthExceeded(
-                    f"This model's maximum context length is {self.context_length} tokens. "
-                    f"However, you requested {prompt_len + max_tokens} tokens "
-                    f"({prompt_len} in the prompt, {max_tokens} in the completion). "
-                    "Please reduce the length of the prompt or completion.",
-                    param="max_tokens",
-                )
+        if prompt_len >= self.context_length:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.context_length} tokens. "
+                f"However, your prompt is {prompt_len} tokens, which leaves no room "
+                "for a completion. Please reduce the length of the prompt.",
+                param=work.prompt_param,
+            )
+        max_tokens = self.context_length - prompt_len if params.max_tokens is None else params.max_tokens
+        if prompt_len + max_tokens > self.context_length:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.context_length} tokens. "
+                f"However, you requested {prompt_len + max_tokens} tokens "
+                f"({prompt_len} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or completion.",
+                param="max_tokens",
+            )
         for token in itertools.chain(work.prompt_token_ids, params.logit_bias, params.stop_token_ids):
             if not 0 <= token < self.executor.vocab_size:
                 raise InvalidRequestError(

@@ -1,0 +1,192 @@
+"""Every row of DESIGN.md's error table, and hostile bodies, answered in the
+OpenAI error shape with `x-request-id`, the server serving on afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import wait_idle
+from lockgate import hookimpl
+from test_openai_sdk import ALTERNATING_TEMPLATE
+
+CHAT = "/v1/chat/completions"
+GOOD = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+async def assert_error(response, status, type_, code=None, param=None):
+    assert response.status == status, await response.text()
+    assert response.headers["Content-Type"].startswith("application/json")
+    assert response.headers.get("x-request-id")
+    body = await response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == type_
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+async def assert_still_serving(client):
+    response = await client.post(CHAT, json=GOOD)
+    assert response.status == 200, await response.text()
+    assert (await response.json())["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'"text"', "must be a JSON object"),
+        (b'{"model": "tiny", "temperature": NaN}', "not valid JSON"),
+        (b"\xff\xfe{}", "not valid UTF-8"),
+        (b'{"model": "tiny", "messages": "\xc3\x28"}', "not valid UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, "nested too deeply"),
+    ],
+)
+async def test_unparseable_bodies(tiny_model, make_client, data, fragment):
+    client = await make_client(tiny_model)
+    response = await client.post(CHAT, data=data, headers={"Content-Type": "application/json"})
+    error = await assert_error(response, 400, "invalid_request_error")
+    assert fragment in error["message"]
+    await assert_still_serving(client)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({**GOOD, "temperature": "hot"}, "temperature"),
+        ({**GOOD, "temperature": 2.5}, "temperature"),
+        ({**GOOD, "max_tokens": True}, "max_tokens"),
+        ({**GOOD, "messages": {"role": "user"}}, "messages"),
+        ({**GOOD, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({**GOOD, "model": 42}, "model"),
+        ({k: v for k, v in GOOD.items() if k != "model"}, "model"),
+    ],
+)
+async def test_wrong_types_and_values(tiny_model, make_client, body, param):
+    client = await make_client(tiny_model)
+    await assert_error(await client.post(CHAT, json=body), 400, "invalid_request_error", param=param)
+    await assert_still_serving(client)
+
+
+async def test_unknown_model_is_404(tiny_model, make_client):
+    client = await make_client(tiny_model)
+    response = await client.post(CHAT, json={**GOOD, "model": "gpt-9"})
+    await assert_error(response, 404, "invalid_request_error", "model_not_found", "model")
+
+
+async def test_unknown_route_and_wrong_method(tiny_model, make_client):
+    client = await make_client(tiny_model)
+    await assert_error(await client.get("/v1/nothing"), 404, "invalid_request_error")
+    response = await client.get(CHAT)
+    await assert_error(response, 405, "invalid_request_error")
+    assert "POST" in response.headers["Allow"]
+    await assert_still_serving(client)
+
+
+async def test_oversized_body_is_413(tiny_model, make_client):
+    client = await make_client(tiny_model, max_body_size=1024)
+    body = {**GOOD, "messages": [{"role": "user", "content": "x" * 4096}]}
+    error = await assert_error(
+        await client.post(CHAT, json=body), 413, "invalid_request_error", "request_too_large"
+    )
+    assert "1024" in error["message"]
+    await assert_still_serving(client)
+
+
+async def test_template_refusal_is_invalid_messages(load_tiny, make_client):
+    client = await make_client(load_tiny(chat_template=ALTERNATING_TEMPLATE))
+    body = {**GOOD, "messages": [{"role": "assistant", "content": "hello"}]}
+    error = await assert_error(
+        await client.post(CHAT, json=body), 400, "invalid_request_error", "invalid_messages", "messages"
+    )
+    assert "Conversation roles must alternate" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_context_length_exceeded(tiny_model, make_client, stream):
+    client = await make_client(tiny_model)
+    long_prompt = {**GOOD, "stream": stream, "messages": [{"role": "user", "content": "the cat " * 400}]}
+    await assert_error(
+        await client.post(CHAT, json=long_prompt), 400, "invalid_request_error",
+        "context_length_exceeded", "messages",
+    )
+    too_many = {**GOOD, "stream": stream, "max_tokens": tiny_model.context_length}
+    error = await assert_error(
+        await client.post(CHAT, json=too_many), 400, "invalid_request_error",
+        "context_length_exceeded", "max_tokens",
+    )
+    assert str(tiny_model.context_length) in error["message"]
+    completion = {"model": "tiny", "prompt": [5] * tiny_model.context_length, "stream": stream}
+    await assert_error(
+        await client.post("/v1/completions", json=completion), 400, "invalid_request_error",
+        "context_length_exceeded", "prompt",
+    )
+    assert (await wait_idle(tiny_model.engine))["kv_pages_used"] == 0
+
+
+async def test_missing_api_key_is_401(tiny_model, make_client):
+    client = await make_client(tiny_model, api_keys=("k",))
+    await assert_error(await client.post(CHAT, json=GOOD), 401, "authentication_error", "invalid_api_key")
+
+
+async def test_queue_full_is_429_with_retry_after(load_tiny, make_client):
+    """One running sequence and one waiting slot: a burst gets some 429s, every
+    admitted request completes, nothing is answered 5xx."""
+    model = load_tiny(max_queue=1, executor_options={"max_num_seqs": 1})
+    client = await make_client(model)
+    body = {**GOOD, "max_tokens": 40, "ignore_eos": True}
+    responses = await asyncio.gather(*(client.post(CHAT, json=body) for _ in range(8)))
+    statuses = sorted(r.status for r in responses)
+    assert 429 in statuses and 200 in statuses
+    assert set(statuses) <= {200, 429}
+    for response in responses:
+        if response.status == 429:
+            await assert_error(response, 429, "rate_limit_error", "server_busy")
+            assert int(response.headers["Retry-After"]) >= 1
+        else:
+            body_ = await response.json()
+            assert body_["usage"]["completion_tokens"] == 40
+    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+
+
+async def test_shutting_down_is_503(load_tiny, make_client):
+    model = load_tiny()
+    client = await make_client(model)
+    await asyncio.get_running_loop().run_in_executor(None, model.engine.shutdown)
+    response = await client.post(CHAT, json=GOOD)
+    await assert_error(response, 503, "server_error", "unavailable")
+    assert response.headers["Retry-After"]
+    await assert_error(await client.get("/health"), 503, "server_error", "unavailable")
+
+
+class ExplodingValidator:
+    @hookimpl
+    def lockgate_validate_request(self, request):
+        raise RuntimeError("secret internal detail /etc/passwd")
+
+
+async def test_unexpected_exception_is_a_generic_500(tiny_model, make_client):
+    client = await make_client(tiny_model, plugins=[ExplodingValidator()])
+    response = await client.post(CHAT, json=GOOD)
+    error = await assert_error(response, 500, "server_error", "internal_error")
+    assert "secret" not in error["message"] and "Traceback" not in error["message"]
+    assert response.headers["x-request-id"] in error["message"]
+
+
+async def test_client_request_id_is_echoed(tiny_model, make_client):
+    client = await make_client(tiny_model)
+    response = await client.post(CHAT, json=GOOD, headers={"x-request-id": "abc-123"})
+    assert response.headers["x-request-id"] == "abc-123"
+    assert (await response.json())["id"] == "chatcmpl-abc-123"
+    hostile = await client.get("/health", headers={"x-request-id": "a b\tc" * 100})
+    assert hostile.headers["x-request-id"] != "a b\tc" * 100
