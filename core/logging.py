@@ -17,7 +17,7 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
     renderer = (
-        structlog.dev.ConsoleRenderer()
+        structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)
         if fmt == "console"
         else structlog.processors.JSONRenderer()
     )
