@@ -11,6 +11,7 @@ import pytest
 
 from lockgate.engine import EngineOptions
 from lockgate.executor import ExecutorOptions
+from lockgate.logging import configure_logging
 from lockgate.models import load_model
 from lockgate.plugin_manager import get_plugin_manager
 from lockgate.server.app import create_app
@@ -19,6 +20,7 @@ from tiny_model import write_tiny_gguf
 
 # Tests never pick up plugins installed in the environment by accident.
 os.environ.setdefault("LOCKGATE_DISABLE_PLUGIN_AUTOLOAD", "1")
+configure_logging("console", "info")
 
 TINY_EXECUTOR = dict(max_num_seqs=8, max_total_tokens=4096, prefill_chunk_size=256)
 
