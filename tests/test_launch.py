@@ -1,0 +1,120 @@
+"""Starting the server as users do: `lockgate serve`, aiohttp's launcher,
+gunicorn's aiohttp worker; graceful SIGTERM; a clear error for a bad model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(process, port: int, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited with {process.returncode}: {process.stderr.read()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("server did not become healthy")
+
+
+def start(args, env_extra=None):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def stop(process) -> tuple[int, str]:
+    process.send_signal(signal.SIGTERM)
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, err = process.communicate()
+        raise AssertionError(f"server ignored SIGTERM: {err}")
+    return process.returncode, err
+
+
+def chat(port: int, model: str = "tiny") -> str:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    client.close()
+    return reply.choices[0].finish_reason
+
+
+def test_lockgate_serve(tiny_gguf):
+    port = free_port()
+    process = start(
+        [sys.executable, "-m", "lockgate.server.cli", "serve", "--model", str(tiny_gguf),
+         "--served-model-name", "tiny", "--port", str(port), "--max-total-tokens", "2048"]
+    )
+    try:
+        wait_healthy(process, port)
+        assert chat(port) in ("stop", "length")
+    finally:
+        code, err = stop(process)
+    assert code == 0, err
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    summaries = [line for line in lines if line.get("event") == "request" and line["path"] == "/v1/chat/completions"]
+    assert summaries and summaries[0]["status"] == 200 and summaries[0]["request_id"]
+    assert any("compil" in line["event"] or "loading" in line["event"] for line in lines)
+
+
+def test_aiohttp_launcher(tiny_gguf):
+    port = free_port()
+    process = start(
+        [sys.executable, "-m", "aiohttp.web", "-H", "127.0.0.1", "-P", str(port),
+         "lockgate.server.app:init_app", "--model", str(tiny_gguf), "--served-model-name", "tiny"],
+    )
+    try:
+        wait_healthy(process, port)
+        assert chat(port) in ("stop", "length")
+    finally:
+        stop(process)
+
+
+@pytest.mark.skipif(shutil.which("gunicorn") is None, reason="gunicorn is not installed")
+def test_gunicorn_worker(tiny_gguf):
+    port = free_port()
+    process = start(
+        ["gunicorn", "lockgate.server.app:app_from_env()", "-k", "aiohttp.GunicornWebWorker",
+         "-b", f"127.0.0.1:{port}", "--timeout", "300"],
+        {"LOCKGATE_MODEL": str(tiny_gguf), "LOCKGATE_SERVED_MODEL_NAME": "tiny"},
+    )
+    try:
+        wait_healthy(process, port)
+        assert chat(port) in ("stop", "length")
+    finally:
+        code, err = stop(process)
+    assert code == 0, err
+
+
+def test_serve_reports_a_bad_model_clearly(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "lockgate.server.cli", "serve", "--model", str(tmp_path / "missing.gguf")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert "neither a registered model" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,116 @@
+"""`lockgate_validate_request`: OpenAI's types and ranges, `param` naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields):
+    return {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **fields}
+
+
+def completion(**fields):
+    return {"model": "tiny", "prompt": "hi", "max_tokens": 2, **fields}
+
+
+BAD = [
+    (CHAT, chat(messages=[]), "messages", "invalid_value"),
+    (CHAT, chat(messages=None), "messages", "invalid_value"),
+    (CHAT, chat(messages=["hi"]), "messages[0]", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "user"}]), "messages[0].content", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0]", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": 1}]}]),
+     "messages[0].content[0]", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x", "name": 3}]), "messages[0].name", "invalid_value"),
+    (CHAT, chat(temperature=-0.1), "temperature", "invalid_value"),
+    (CHAT, chat(temperature=True), "temperature", "invalid_value"),
+    (CHAT, chat(top_p=0), "top_p", "invalid_value"),
+    (CHAT, chat(top_p=1.5), "top_p", "invalid_value"),
+    (CHAT, chat(n=0), "n", "invalid_value"),
+    (CHAT, chat(n=1000), "n", "invalid_value"),
+    (CHAT, chat(n=1.5), "n", "invalid_value"),
+    (CHAT, chat(max_tokens=0), "max_tokens", "invalid_value"),
+    (CHAT, chat(max_tokens="5"), "max_tokens", "invalid_value"),
+    (CHAT, chat(max_completion_tokens=-1), "max_completion_tokens", "invalid_value"),
+    (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop", "invalid_value"),
+    (CHAT, chat(stop=[1]), "stop", "invalid_value"),
+    (CHAT, chat(stop=""), "stop", "invalid_value"),
+    (CHAT, chat(seed=2**63), "seed", "invalid_value"),
+    (CHAT, chat(seed="1"), "seed", "invalid_value"),
+    (CHAT, chat(presence_penalty=2.5), "presence_penalty", "invalid_value"),
+    (CHAT, chat(frequency_penalty=-3), "frequency_penalty", "invalid_value"),
+    (CHAT, chat(logit_bias={"abc": 1}), "logit_bias", "invalid_value"),
+    (CHAT, chat(logit_bias={"999999": 1}), "logit_bias", "invalid_value"),
+    (CHAT, chat(logit_bias={"5": 101}), "logit_bias", "invalid_value"),
+    (CHAT, chat(logit_bias=[1]), "logit_bias", "invalid_value"),
+    (CHAT, chat(logprobs="yes"), "logprobs", "invalid_value"),
+    (CHAT, chat(top_logprobs=3), "top_logprobs", "invalid_value"),
+    (CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_value"),
+    (CHAT, chat(logprobs=True), "logprobs", "unsupported_parameter"),
+    (CHAT, chat(stream="yes"), "stream", "invalid_value"),
+    (CHAT, chat(stream_options={"include_usage": True}), "stream_options", "invalid_value"),
+    (CHAT, chat(stream=True, stream_options={"include_usage": "y"}), "include_usage", "invalid_value"),
+    (CHAT, chat(response_format={"type": "xml"}), "response_format", "invalid_value"),
+    (CHAT, chat(response_format={"type": "json_object"}), "response_format", "unsupported_parameter"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+     "response_format", "unsupported_parameter"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported_parameter"),
+    (CHAT, chat(top_k=-2), "top_k", "invalid_value"),
+    (CHAT, chat(min_p=1.5), "min_p", "invalid_value"),
+    (CHAT, chat(repetition_penalty=0), "repetition_penalty", "invalid_value"),
+    (CHAT, chat(ignore_eos=1), "ignore_eos", "invalid_value"),
+    (CHAT, chat(stop_token_ids=[-1]), "stop_token_ids", "invalid_value"),
+    (COMPLETIONS, completion(prompt=None), "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt=[]), "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt=5), "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt=[1, "a"]), "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt=[1, 10**9]), "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt=[[1], []]), "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt=[[1], [-4]]), "prompt", "invalid_value"),
+    (COMPLETIONS, completion(logprobs=21), "logprobs", "invalid_value"),
+    (COMPLETIONS, completion(logprobs=2), "logprobs", "unsupported_parameter"),
+    (COMPLETIONS, completion(echo=True), "echo", "unsupported_parameter"),
+    (COMPLETIONS, completion(suffix="x"), "suffix", "unsupported_parameter"),
+    (COMPLETIONS, completion(best_of=3), "best_of", "unsupported_parameter"),
+]
+
+
+@pytest.mark.parametrize("route, body, param, code", BAD)
+async def test_invalid_parameters_are_400_with_param(tiny_model, make_client, route, body, param, code):
+    client = await make_client(tiny_model)
+    response = await client.post(route, json=body)
+    assert response.status == 400, await response.text()
+    error = (await response.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["code"] == code
+
+
+GOOD = [
+    (CHAT, chat(temperature=0, top_p=1, n=2, seed=-5, stop=["a", "b"], presence_penalty=-2,
+                frequency_penalty=2, logit_bias={"5": -100, "6": 100}, logprobs=False,
+                unknown_field={"ignored": True}, user="me", max_completion_tokens=3)),
+    (CHAT, chat(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "x"}, {"role": "tool", "content": "y", "tool_call_id": "1"},
+        {"role": "user", "content": "z"}])),
+    (CHAT, chat(stream=True, stream_options={"include_usage": False}, response_format={"type": "text"})),
+    (CHAT, chat(max_tokens=None, temperature=None)),
+    (COMPLETIONS, completion(prompt=["a", "b"], stop="x", best_of=1)),
+    (COMPLETIONS, completion(prompt=[[5, 6], [7]])),
+    (COMPLETIONS, completion(top_k=5, min_p=0.1, repetition_penalty=1.1, ignore_eos=True,
+                             stop_token_ids=[2])),
+]
+
+
+@pytest.mark.parametrize("route, body", GOOD)
+async def test_valid_parameters_are_accepted(tiny_model, make_client, route, body):
+    client = await make_client(tiny_model)
+    response = await client.post(route, json=body)
+    assert response.status == 200, await response.text()
