@@ -73,16 +73,33 @@ def as_target(target: Target | dict | str) -> Target:
 class CPUMatmul(ScheduleRule):
     """Schedule `C[m…, n] (+)= A[m…, k] * B[k, n]` with B stored (in, out).
 
-    One reduction block with S…SR iterators is tiled as (n_outer, m_outer,
-    k, m_inner, n_inner): threads split the output columns, the inner
-    `n` loop is vectorized over B's contiguous rows and a few rows of A are
-    unrolled so each loaded B vector feeds several accumulators. Producers
-    are inlined; injective epilogues (residual add, cast) are folded into
-    the write-back of the local accumulator tile.
+    One reduction block with S…SR iterators is tiled as
+    (n_outer, m_outer, n_mid, k, m_inner, n_inner): threads split the output
+    columns into blocks, and inside a block an `m_inner × n_inner` register
+    tile accumulates over the whole of k, with `n_inner` vectorized along
+    B's contiguous rows and `m_inner` unrolled so each loaded B vector feeds
+    several accumulators. The tile is sized for 16 vector registers (AVX2).
+    Producers are inlined; injective epilogues (residual add, cast) are
+    folded into the write-back of the tile.
     """
 
-    def __init__(self, n_block: int = 128) -> None:
+    def __init__(
+        self, n_inner: int = 16, m_inner: int = 4, n_block: int = 64, n_inner_single_row: int = 64
+    ) -> None:
+        self.n_inner = n_inner
+        self.m_inner = m_inner
         self.n_block = n_block
+        self.n_inner_single_row = n_inner_single_row
+
+    def _n_tiles(self, n_extent: int, n_inner: int) -> tuple[int, int]:
+        """(n_block, n_inner) dividing N, so no lane of a vector is masked."""
+        for inner in (n_inner, 32, 16, 8, 4):
+            if n_extent % inner == 0:
+                block = self.n_block
+                while n_extent % block:
+                    block //= 2
+                return max(block, inner), inner
+        return min(self.n_block, n_extent), min(n_inner, n_extent)
 
     def apply(self, func, target: Target, tunable: bool):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
@@ -108,7 +125,7 @@ class CPUMatmul(ScheduleRule):
             return None
 
         n_extent = main.iters[-2].dom
-        if not isinstance(n_extent, tirx.IntImm) and not isinstance(n_extent, int):
+        if not isinstance(n_extent, (int, tirx.IntImm)):
             return None
         n_extent = int(n_extent)
         m_iters = main.iters[:-2]
@@ -132,21 +149,33 @@ class CPUMatmul(ScheduleRule):
         else:
             m_loop = sch.add_unit_loop(block)
         if static_m:
-            m_inner = next(f for f in (4, 2, 1) if m_extent % f == 0)
+            m_inner = next(f for f in (self.m_inner, 4, 3, 2, 1) if f <= self.m_inner and m_extent % f == 0)
+            n_block, n_inner = self._n_tiles(n_extent, self.n_inner)
         else:
-            m_inner = 2
-        n_block = self.n_block if n_extent >= self.n_block else max(8, 1 << (n_extent.bit_length() - 1))
+            # A symbolic M would leave the last row tile masked, and the mask
+            # stops buffer compaction from shrinking the accumulator to a
+            # register tile; one row with a wider vector tile needs no mask.
+            m_inner = 1
+            n_block, n_inner = self._n_tiles(n_extent, self.n_inner_single_row)
         m_o, m_i = sch.split(m_loop, [None, m_inner])
-        n_o, n_i = sch.split(n_loop, [None, n_block])
-        sch.reorder(n_o, m_o, k_loop, m_i, n_i)
-        sch.reverse_compute_at(local, m_o, preserve_unit_loops=True)
+        n_o, n_mid, n_i = sch.split(n_loop, [None, n_block // n_inner, n_inner])
+        if static_m:
+            sch.reorder(n_o, m_o, n_mid, k_loop, m_i, n_i)
+            sch.reverse_compute_at(local, n_mid, preserve_unit_loops=True)
+        else:
+            # Rows innermost (above k): the K x n_inner panel of B stays in
+            # cache while every row of A streams past it.
+            sch.reorder(n_o, n_mid, m_o, k_loop, m_i, n_i)
+            sch.reverse_compute_at(local, m_o, preserve_unit_loops=True)
         sch.parallel(n_o)
         sch.unroll(m_i)
         sch.vectorize(n_i)
         wb_loops = sch.get_loops(local)
         sch.vectorize(wb_loops[-1])
         init = sch.decompose_reduction(block, k_loop)
-        sch.vectorize(sch.get_loops(init)[-1])
+        init_loops = sch.get_loops(init)
+        sch.unroll(init_loops[-2])
+        sch.vectorize(init_loops[-1])
         return sch
 
     @staticmethod

@@ -1,15 +1,20 @@
 """A Llama-family decoder written with `tvm.relax.frontend.nn`.
 
-Linear weights are stored (in, out) and applied as `op.matmul(x, W)` so the
-output axis is contiguous in memory, which is what the CPU matmul schedule in
-`compile.py` vectorizes over. The q/k/v and gate/up projections are fused into
-one weight each. With tied embeddings a single (hidden, vocab) matrix serves
-as both the LM head and, gathered column-wise, the token embedding.
+Linear weights are stored (in, out) so the output axis is contiguous in
+memory. On the CPU they are further cut into panels of `panel_width(out)`
+columns, stored (out / panel, in, panel): the matmul schedule in `compile.py`
+walks one panel per thread step, and a contiguous panel streams from memory
+and stays in cache, where the strided columns of a plain (in, out) matrix
+thrash both. On CUDA the plain layout and `op.matmul` suit the dlight rules.
+The q/k/v and gate/up projections are fused into one weight each. With tied
+embeddings a single head matrix serves as both the LM head and, gathered
+column-wise, the token embedding.
 """
 
 from __future__ import annotations
 
 from tvm import relax as rx
+from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
@@ -21,14 +26,58 @@ from lockgate.model_config import LlamaConfig
 DTYPE = "float32"
 
 
-class Linear(nn.Module):
-    """y = x @ W with W stored (in_features, out_features)."""
+def panel_width(out_features: int) -> int:
+    """Columns per weight panel: a vector-friendly divisor of the output
+    size, or the whole output when none divides it."""
+    for width in (64, 32, 16, 8):
+        if out_features % width == 0:
+            return width
+    return out_features
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        self.weight = nn.Parameter((in_features, out_features), DTYPE)
+
+def _panel_matmul(x: te.Tensor, w: te.Tensor) -> te.Tensor:
+    *lead, k_extent = x.shape
+    panels, _, width = w.shape
+    k = te.reduce_axis((0, k_extent), name="k")
+    return te.compute(
+        (*lead, panels * width),
+        lambda *i: te.sum(x[(*i[:-1], k)] * w[i[-1] // width, k, i[-1] % width], axis=k),
+        name="matmul",
+    )
+
+
+def _panel_columns(w: te.Tensor, ids: te.Tensor) -> te.Tensor:
+    _, k_extent, width = w.shape
+    return te.compute(
+        (ids.shape[0], k_extent),
+        lambda t, k: w[ids[t] // width, k, ids[t] % width],
+        name="take_columns",
+    )
+
+
+class Linear(nn.Module):
+    """y = x @ W, W stored (in, out) or, when `paneled`, as column panels
+    (out / panel, in, panel)."""
+
+    def __init__(self, in_features: int, out_features: int, paneled: bool) -> None:
+        self.paneled = paneled
+        if paneled:
+            width = panel_width(out_features)
+            shape = (out_features // width, in_features, width)
+        else:
+            shape = (in_features, out_features)
+        self.weight = nn.Parameter(shape, DTYPE)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.paneled:
+            return op.tensor_expr_op(_panel_matmul, "matmul", [x, self.weight])
         return op.matmul(x, self.weight)
+
+    def columns(self, ids: Tensor) -> Tensor:
+        """W[:, ids] as (len(ids), in): the rows of the transposed weight."""
+        if self.paneled:
+            return op.tensor_expr_op(_panel_columns, "take_columns", [self.weight, ids])
+        return op.permute_dims(op.take(self.weight, ids, axis=1), [1, 0])
 
 
 class RMSNorm(nn.Module):
@@ -41,14 +90,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int) -> None:
+    def __init__(self, config: LlamaConfig, layer_id: int, paneled: bool) -> None:
         self.layer_id = layer_id
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, qkv_out)
-        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size)
+        self.qkv_proj = Linear(config.hidden_size, qkv_out, paneled)
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, paneled)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
         b, s, _ = x.shape
@@ -63,10 +112,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, paneled: bool) -> None:
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, paneled)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, paneled)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
@@ -74,11 +123,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int) -> None:
+    def __init__(self, config: LlamaConfig, layer_id: int, paneled: bool) -> None:
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id)
+        self.self_attn = Attention(config, layer_id, paneled)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, paneled)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv_cache)
@@ -96,20 +145,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig, target: Target) -> None:
         self.config = config
         self.target = target
+        paneled = target.kind.name == "llvm"
         if not config.tie_word_embeddings:
             self.embed_tokens = nn.Parameter((config.vocab_size, config.hidden_size), DTYPE)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, i) for i in range(config.num_layers)]
+            [DecoderLayer(config, i, paneled) for i in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, paneled)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         if self.config.tie_word_embeddings:
-            # Column gather from the (hidden, vocab) head: a strided read of a
-            # few rows costs far less than a second copy of the matrix.
-            columns = op.take(self.lm_head.weight, input_ids, axis=1)
-            return op.permute_dims(columns, [1, 0])
+            # A strided gather of a few columns of the head costs far less
+            # than keeping a second copy of the matrix.
+            return self.lm_head.columns(input_ids)
         return op.take(self.embed_tokens, input_ids, axis=0)
 
     def _body(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:

@@ -71,6 +71,14 @@ class GGUFTensors:
         return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
+def to_panels(w: np.ndarray, width: int) -> np.ndarray:
+    """(in, out) -> (out / width, in, width): contiguous column panels."""
+    k, n = w.shape
+    if n % width:
+        raise ModelLoadError(f"{n} output columns do not split into panels of {width}")
+    return w.reshape(k, n // width, width).transpose(1, 0, 2)
+
+
 def _layer_arrays(t: GGUFTensors, c: LlamaConfig, i: int) -> dict[str, np.ndarray]:
     p = f"blk.{i}."
     h, q_rows, kv_rows = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -99,7 +107,8 @@ def load_gguf_weights(
     """The model's parameters as contiguous float32 arrays, in the given order.
 
     :param param_names: (name, shape) of every parameter of
-        `model.LlamaForCausalLM`, in its `named_parameters` order.
+        `model.LlamaForCausalLM`, in its `named_parameters` order; a 3-D shape
+        asks for the paneled (out / panel, in, panel) layout.
     :raises ModelLoadError: a tensor is missing, mis-shaped or of a type that
         cannot be dequantized.
     """
@@ -126,6 +135,8 @@ def load_gguf_weights(
         array = by_name.pop(name, None)
         if array is None:
             raise ModelLoadError(f"no GGUF tensor provides parameter {name!r}")
+        if len(shape) == 3 and array.ndim == 2:
+            array = to_panels(array, shape[2])
         if tuple(array.shape) != tuple(shape):
             raise ModelLoadError(
                 f"parameter {name!r} has shape {list(array.shape)}, the model expects {list(shape)}"
