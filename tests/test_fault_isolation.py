@@ -131,12 +131,12 @@ async def test_repeated_failures_turn_health_to_503(load_tiny, make_client):
 
 def fault_plugin(hook, error):
     """A plugin whose `hook` raises `error` for requests whose id starts with "fault"."""
-    name = f"lockgate_{hook}"
+    name = hook
     argnames = {
-        "validate_request": "request",
-        "render_prompt": "request",
-        "tokenize": "request",
-        "enqueue": "work",
+        "lockgate_validate_request": "request",
+        "lockgate_render_prompt": "request",
+        "lockgate_tokenize": "request",
+        "lockgate_enqueue": "work",
     }[hook]
     # pluggy matches implementations to specs by argument names, so spell them out
     namespace: dict = {}
@@ -152,7 +152,10 @@ def fault_plugin(hook, error):
     return type(f"Fault_{hook}", (), {name: impl})()
 
 
-@pytest.mark.parametrize("hook", ["validate_request", "render_prompt", "tokenize", "enqueue"])
+@pytest.mark.parametrize(
+    "hook",
+    ["lockgate_validate_request", "lockgate_render_prompt", "lockgate_tokenize", "lockgate_enqueue"],
+)
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "error, status", [(RuntimeError("boom"), 500), (InvalidRequestError("no", param="x"), 400)]
