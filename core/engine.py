@@ -188,6 +188,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._exit_requested = False
         self._consecutive_failures = 0
         self.unhealthy_reason: str | None = None
 
@@ -205,22 +206,36 @@ class Engine:
 
     def shutdown(self, grace_seconds: float = 0.0) -> None:
         """Stop admitting, let running requests finish for up to `grace_seconds`,
-        then fail what is left with 503 and stop the thread."""
+        then fail what is left with 503 and stop the thread.
+
+        The engine thread itself fails the leftovers: the executor is only
+        ever touched from that thread.
+        """
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         deadline = time.monotonic() + grace_seconds
-        while grace_seconds > 0 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             with self._cond:
                 if not self._running and not self._waiting:
                     break
             time.sleep(0.05)
         with self._cond:
-            self._fail_all(Unavailable("the server is shutting down", retry_after=self.options.retry_after))
-            thread, self._thread = self._thread, None
+            thread = self._thread
+            self._exit_requested = True
             self._cond.notify_all()
         if thread is not None:
-            thread.join(timeout=30)
+            thread.join(timeout=60)
+            if thread.is_alive():
+                log.error("the engine thread did not stop within 60 s")
+        else:
+            with self._cond:
+                self._fail_all(self._shutdown_error())
+        self._thread = None
+        self._exit_requested = False
+
+    def _shutdown_error(self) -> Unavailable:
+        return Unavailable("the server is shutting down", retry_after=self.options.retry_after)
 
     @property
     def healthy(self) -> bool:
@@ -319,11 +334,13 @@ class Engine:
         structlog.contextvars.bind_contextvars(engine=self.name)
         while True:
             with self._cond:
-                while not (self._stopping and self._thread is None) and not (
+                while not self._exit_requested and not (
                     self._waiting or self._running or self._aborts
                 ):
                     self._cond.wait()
-                if self._stopping and self._thread is None:
+                if self._exit_requested:
+                    self._process_aborts()
+                    self._fail_all(self._shutdown_error())
                     return
             try:
                 self.step()

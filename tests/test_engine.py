@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 
 import numpy as np
 import pytest
@@ -178,3 +179,35 @@ def test_penalty_arithmetic():
     np.testing.assert_allclose(out, [1.0, 1.0, -2.0, 0.25])
     out = process_logits(logits, SamplingParams(logit_bias={0: -100.0, 2: 5.0}), [], [])
     np.testing.assert_allclose(out, [-99.0, 2.0, 4.0, 0.5])
+
+
+async def test_shutdown_drains_then_fails_leftovers(model):
+    from lockgate.errors import Unavailable
+
+    loop = asyncio.get_running_loop()
+    engine = model.engine
+    engine.start(loop)
+    short = engine.add(Work("short", PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True)))
+    # until the context is full: far more steps than the grace period allows
+    endless = engine.add(Work("long", PROMPTS[1], SamplingParams(ignore_eos=True)))
+    await short.__anext__()
+    await endless.__anext__()
+    started = time.monotonic()
+    stopping = loop.run_in_executor(None, engine.shutdown, 0.1)
+    finished = [d.finish_reason async for d in short]
+    assert finished[-1] == "length"  # finished within the grace period
+    with pytest.raises(Unavailable):
+        async for _ in endless:
+            pass
+    await stopping
+    assert endless.usage.completion_tokens < model.context_length - len(PROMPTS[1]), (
+        f"the long request finished in {time.monotonic() - started:.2f} s"
+    )
+    assert engine.stats()["kv_pages_used"] == 0
+    with pytest.raises(Unavailable):
+        engine.add(Work("late", PROMPTS[0], SamplingParams(max_tokens=2)))
+    engine.start(loop)  # an app restarted around the same model serves again
+    try:
+        assert (await run(engine, PROMPTS[0], max_tokens=3))[2] == {0: "length"}
+    finally:
+        await loop.run_in_executor(None, engine.shutdown)
