@@ -478,7 +478,7 @@ class Engine:
         try:
             token = sample_token(logits, state.params, choice.rng, state.prompt_ids, choice.output_ids)
             delta = self._accept(choice, token)
-        except Exception as exc:
+        except Exception:
             log.exception("generation failed for one request", request_id=state.work.request_id)
             self._fail_request(state, InternalError("generation failed for this request"), events)
             return

