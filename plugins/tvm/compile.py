@@ -130,6 +130,7 @@ class CPUMatmul(ScheduleRule):
         n_extent = int(n_extent)
         m_iters = main.iters[:-2]
         static_m = all(isinstance(it.dom, (int, tirx.IntImm)) for it in m_iters)
+        row_tile = self._row_tile(m_iters)
         m_extent = 1
         if static_m:
             for it in m_iters:
@@ -144,22 +145,35 @@ class CPUMatmul(ScheduleRule):
                 pass
 
         n_loop, k_loop = main.iters[-2].loop_rv, main.iters[-1].loop_rv
-        if m_iters:
+        if row_tile:
+            m_loop = None
+        elif m_iters:
             m_loop = sch.fuse(*[it.loop_rv for it in m_iters]) if len(m_iters) > 1 else m_iters[0].loop_rv
         else:
             m_loop = sch.add_unit_loop(block)
-        if static_m:
-            m_inner = next(f for f in (self.m_inner, 4, 3, 2, 1) if f <= self.m_inner and m_extent % f == 0)
+        if row_tile:
+            # Rows come pre-tiled (m_outer, m_inner) by a padded compute
+            # definition (`model._padded_panel_matmul`), so no mask is needed.
+            m_inner = row_tile
             n_block, n_inner = self._n_tiles(n_extent, self.n_inner)
+        elif static_m:
+            m_inner = next(f for f in (self.m_inner, 4, 3, 2, 1) if f <= self.m_inner and m_extent % f == 0)
+            wide = self.n_inner if m_inner > 1 else self.n_inner_single_row
+            n_block, n_inner = self._n_tiles(n_extent, wide)
         else:
             # A symbolic M would leave the last row tile masked, and the mask
             # stops buffer compaction from shrinking the accumulator to a
             # register tile; one row with a wider vector tile needs no mask.
             m_inner = 1
             n_block, n_inner = self._n_tiles(n_extent, self.n_inner_single_row)
-        m_o, m_i = sch.split(m_loop, [None, m_inner])
+        if row_tile:
+            outer = [it.loop_rv for it in m_iters[:-1]]
+            m_o = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+            m_i = m_iters[-1].loop_rv
+        else:
+            m_o, m_i = sch.split(m_loop, [None, m_inner])
         n_o, n_mid, n_i = sch.split(n_loop, [None, n_block // n_inner, n_inner])
-        if static_m:
+        if static_m or row_tile:
             sch.reorder(n_o, m_o, n_mid, k_loop, m_i, n_i)
             sch.reverse_compute_at(local, n_mid, preserve_unit_loops=True)
         else:
@@ -179,6 +193,16 @@ class CPUMatmul(ScheduleRule):
         return sch
 
     @staticmethod
+    def _row_tile(m_iters) -> int:
+        """The static inner row extent of a row-tiled matmul, else 0."""
+        if len(m_iters) < 2 or all(isinstance(it.dom, (int, tirx.IntImm)) for it in m_iters):
+            return 0
+        inner = m_iters[-1].dom
+        if isinstance(inner, (int, tirx.IntImm)) and 2 <= int(inner) <= 8:
+            return int(inner)
+        return 0
+
+    @staticmethod
     def _is_matmul(sch: s_tir.Schedule, main) -> bool:
         """True when some read depends on (k, n) and none of the M iterators."""
         stmt = sch.get(main.block_rv)
@@ -192,6 +216,32 @@ class CPUMatmul(ScheduleRule):
             if n_var in used and k_var in used and not (used & m_vars):
                 saw_weight = True
         return saw_weight
+
+
+class CPUInjective(ScheduleRule):
+    """Parallelize an elementwise / injective kernel over its outer loops.
+
+    The inner loop is left to LLVM's vectorizer; what matters at prefill
+    sizes is that the (rows x columns) copies and activations are not run
+    on one thread.
+    """
+
+    def apply(self, func, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline_contiguous_spatial(sch, infos)
+        if infos is None or len(infos) != 1 or not infos[0].is_injective():
+            return None
+        loops = sch.get_loops(infos[0].block_rv)
+        if len(loops) < 2:
+            return None
+        outer = sch.fuse(*loops[:-1]) if len(loops) > 2 else loops[0]
+        sch.parallel(outer)
+        return sch
 
 
 def cpu_pipeline() -> tvm.transform.Pass:
@@ -209,7 +259,7 @@ def cpu_pipeline() -> tvm.transform.Pass:
                 relax.transform.FuseOps(),
                 relax.transform.FuseTIR(),
                 relax.transform.DeadCodeElimination(),
-                dl.ApplyDefaultSchedule(CPUMatmul(), dl.cpu.Reduction()),
+                dl.ApplyDefaultSchedule(CPUMatmul(), dl.cpu.Reduction(), CPUInjective()),
                 relax.transform.RewriteDataflowReshape(),
                 relax.transform.ToNonDataflow(),
                 relax.transform.RemovePurityChecking(),

@@ -69,6 +69,7 @@ class TVMExecutor(Executor):
         self._embed = self._vm["embed"]
         self._prefill = self._vm["batch_prefill"]
         self._decode = self._vm["batch_decode"]
+        self._decode_one = self._vm["decode_one"]
         f = tvm.get_global_func
         self._add_seq = f("vm.builtin.kv_state_add_sequence")
         self._remove_seq = f("vm.builtin.kv_state_remove_sequence")
@@ -161,7 +162,8 @@ class TVMExecutor(Executor):
         lengths = [1] * len(ids)
         self._check_room(ids, lengths)
         embeds = self._embed_tokens(tokens).view_as((len(ids), 1, self.config.hidden_size))
-        logits = self._forward(ids, lengths, lambda: self._decode(embeds.tensor, self._kv, self._params))
+        decode = self._decode_one if len(ids) == 1 else self._decode
+        logits = self._forward(ids, lengths, lambda: decode(embeds.tensor, self._kv, self._params))
         return logits.reshape(len(ids), self.vocab_size)
 
     def close(self) -> None:
@@ -170,7 +172,7 @@ class TVMExecutor(Executor):
         self._closed = True
         self._kv = None
         self._params = None
-        self._embed = self._prefill = self._decode = None
+        self._embed = self._prefill = self._decode = self._decode_one = None
         self._vm = None
         self._lengths.clear()
 

@@ -9,6 +9,12 @@ thrash both. On CUDA the plain layout and `op.matmul` suit the dlight rules.
 The q/k/v and gate/up projections are fused into one weight each. With tied
 embeddings a single head matrix serves as both the LM head and, gathered
 column-wise, the token embedding.
+
+Several rows of activations share each loaded weight vector when the matmul
+computes a row tile at once. The row count is symbolic, so a tiled matmul
+writes a padded (rows / tile, tile, out) result, reading the last row again
+for the padding, and a separate step drops the padding: a masked last tile
+would stop TVM from keeping the accumulators in registers.
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ from lockgate.model_config import LlamaConfig
 
 #: the activation and KV cache dtype; weights are float32 too for now
 DTYPE = "float32"
+
+#: rows per matmul tile in prefill and in decode of more than one sequence;
+#: a single sequence's decode and the prefill LM head use untiled rows
+PREFILL_ROW_TILE = 6
+DECODE_ROW_TILE = 4
 
 
 def panel_width(out_features: int) -> int:
@@ -43,6 +54,28 @@ def _panel_matmul(x: te.Tensor, w: te.Tensor) -> te.Tensor:
         (*lead, panels * width),
         lambda *i: te.sum(x[(*i[:-1], k)] * w[i[-1] // width, k, i[-1] % width], axis=k),
         name="matmul",
+    )
+
+
+def _row_tiled_panel_matmul(x: te.Tensor, w: te.Tensor, tile: int) -> te.Tensor:
+    rows, k_extent = x.shape
+    panels, _, width = w.shape
+    k = te.reduce_axis((0, k_extent), name="k")
+    return te.compute(
+        ((rows + tile - 1) // tile, tile, panels * width),
+        lambda mo, mi, n: te.sum(
+            x[te.min(mo * tile + mi, rows - 1), k] * w[n // width, k, n % width], axis=k
+        ),
+        name="matmul",
+    )
+
+
+def _drop_row_padding(padded: te.Tensor, x: te.Tensor) -> te.Tensor:
+    _, tile, n_extent = padded.shape
+    return te.compute(
+        (x.shape[0], n_extent),
+        lambda r, n: padded[r // tile, r % tile, n],
+        name="unpad_rows",
     )
 
 
@@ -68,10 +101,18 @@ class Linear(nn.Module):
             shape = (in_features, out_features)
         self.weight = nn.Parameter(shape, DTYPE)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.paneled:
+    def forward(self, x: Tensor, row_tile: int = 1) -> Tensor:
+        if not self.paneled:
+            return op.matmul(x, self.weight)
+        if row_tile == 1:
             return op.tensor_expr_op(_panel_matmul, "matmul", [x, self.weight])
-        return op.matmul(x, self.weight)
+        b, s, k = x.shape
+        rows = op.reshape(x, (b * s, k))
+        padded = op.tensor_expr_op(
+            lambda xt, wt: _row_tiled_panel_matmul(xt, wt, row_tile), "matmul", [rows, self.weight]
+        )
+        out = op.tensor_expr_op(_drop_row_padding, "unpad_rows", [padded, rows])
+        return op.reshape(out, (b, s, out.shape[-1]))
 
     def columns(self, ids: Tensor) -> Tensor:
         """W[:, ids] as (len(ids), in): the rows of the transposed weight."""
@@ -99,16 +140,16 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, qkv_out, paneled)
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, paneled)
 
-    def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
+    def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
         b, s, _ = x.shape
         qkv = op.reshape(
-            self.qkv_proj(x),
+            self.qkv_proj(x, row_tile),
             (b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim),
         )
         out = kv_cache.attention_with_fused_qkv(
             self.layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5
         )
-        return self.o_proj(op.reshape(out, (b, s, self.num_heads * self.head_dim)))
+        return self.o_proj(op.reshape(out, (b, s, self.num_heads * self.head_dim)), row_tile)
 
 
 class MLP(nn.Module):
@@ -117,9 +158,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, paneled)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, paneled)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+    def forward(self, x: Tensor, row_tile: int) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x, row_tile), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up, row_tile)
 
 
 class DecoderLayer(nn.Module):
@@ -129,17 +170,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, paneled)
 
-    def forward(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, row_tile)
+        return x + self.mlp(self.post_attention_layernorm(x), row_tile)
 
 
 class LlamaForCausalLM(nn.Module):
     """The exported model.
 
     Functions (see `export_spec`): `embed(input_ids)`, `batch_prefill(embeds,
-    logit_positions, kv)`, `batch_decode(embeds, kv)` and
-    `create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page)`.
+    logit_positions, kv)`, `batch_decode(embeds, kv)`, `decode_one(embeds, kv)`
+    and `create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page)`.
     """
 
     def __init__(self, config: LlamaConfig, target: Target) -> None:
@@ -161,21 +202,27 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head.columns(input_ids)
         return op.take(self.embed_tokens, input_ids, axis=0)
 
-    def _body(self, x: Tensor, kv_cache: PagedKVCache) -> Tensor:
+    def _body(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
         for layer in self.layers:
-            x = layer(x, kv_cache)
+            x = layer(x, kv_cache, row_tile)
         return x
 
     def batch_prefill(
         self, input_embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache
     ):
-        hidden = self._body(input_embeds, kv_cache)
+        hidden = self._body(input_embeds, kv_cache, PREFILL_ROW_TILE)
         # Only the rows whose logits are wanted go through the norm and head.
         hidden = op.take(hidden, logit_positions, axis=1)
         return self.lm_head(self.norm(hidden)), kv_cache
 
     def batch_decode(self, input_embeds: Tensor, kv_cache: PagedKVCache):
-        hidden = self._body(input_embeds, kv_cache)
+        hidden = self._body(input_embeds, kv_cache, DECODE_ROW_TILE)
+        return self.lm_head(self.norm(hidden), DECODE_ROW_TILE), kv_cache
+
+    def decode_one(self, input_embeds: Tensor, kv_cache: PagedKVCache):
+        """`batch_decode` for a batch of one (or a few): untiled rows waste
+        no work on padding."""
+        hidden = self._body(input_embeds, kv_cache, 1)
         return self.lm_head(self.norm(hidden)), kv_cache
 
     def create_tir_paged_kv_cache(
@@ -229,6 +276,13 @@ class LlamaForCausalLM(nn.Module):
                 "$": packed,
             },
             "batch_decode": {
+                "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], DTYPE),
+                "kv_cache": kv,
+                "$": packed,
+            },
+            # The batch stays symbolic even here: with a static batch of one,
+            # dlight's CPU reduction rule recomputes rms_norm once per column.
+            "decode_one": {
                 "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], DTYPE),
                 "kv_cache": kv,
                 "$": packed,
