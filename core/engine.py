@@ -5,6 +5,14 @@ It runs in its own thread. `Engine.add` is called from the pipeline's worker
 thread and raises typed errors when a request cannot be admitted, so the HTTP
 layer can still answer with a proper status. Results reach each request's
 `RequestHandle` through `loop.call_soon_threadsafe`, once per engine step.
+
+Scheduling (continuous batching): requests are admitted first come, first
+served while there are sequence slots and KV pages for their prompt. Each step
+decodes every running sequence in one batch and fills the rest of the step's
+token budget with prefill chunks of admitted prompts. When KV pages run out,
+the most recently admitted request is preempted: its pages are freed and it
+goes back to the head of the queue, to be recomputed (prompt plus what it had
+generated) when pages are free again. Its output is unaffected.
 """
 
 from __future__ import annotations
@@ -31,12 +39,12 @@ from lockgate.errors import (
     Unavailable,
 )
 from lockgate.executor import Executor
-from lockgate.sampling import make_generator, sample_token
+from lockgate.sampling import SamplingRow, TokenLogprob, make_generator, sample_batch
 from lockgate.types import Work
 
 log = structlog.get_logger("lockgate.engine")
 
-#: consecutive failed executor calls after which the engine declares itself unhealthy
+#: consecutive failed engine steps after which the engine declares itself unhealthy
 UNHEALTHY_AFTER_FAILURES = 3
 
 
@@ -48,6 +56,9 @@ class EngineOptions:
     max_queue: int = 256
     #: most choices (`n`) one request may ask for
     max_n: int = 8
+    #: tokens one step may process (decode tokens plus prefill chunks);
+    #: None: the executor's prefill chunk size
+    max_num_batched_tokens: int | None = None
     #: seconds a client is told to wait on 429 / 503
     retry_after: int = 1
 
@@ -60,6 +71,8 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    #: one entry per token in `token_ids` when the request asked for logprobs
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -77,6 +90,18 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
         }
+
+
+class EngineObserver:
+    """Receives the engine's events (for metrics). The default does nothing;
+    calls come from the engine thread."""
+
+    def request_finished(self, *, ttft: float | None, tpot: float | None,
+                         prompt_tokens: int, completion_tokens: int, outcome: str) -> None:
+        pass
+
+    def preempted(self) -> None:
+        pass
 
 
 _END = object()
@@ -111,8 +136,7 @@ class RequestHandle:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        if item.token_ids:
-            self.usage.completion_tokens += len(item.token_ids)
+        self.usage.completion_tokens += len(item.token_ids)
         return item
 
     def abort(self) -> None:
@@ -127,37 +151,60 @@ class RequestHandle:
 class _Choice:
     """One generated sequence of a request, as the engine tracks it."""
 
-    def __init__(self, state: "_RequestState", index: int, seq_id: int, detokenizer) -> None:
+    def __init__(self, state: "_RequestState", index: int, detokenizer) -> None:
         self.state = state
         self.index = index
-        self.seq_id = seq_id
+        #: the executor's sequence id, or -1 while the choice holds no KV
+        self.seq_id = -1
+        #: tokens of prompt + output already in the KV cache
+        self.kv_len = 0
         self.output_ids: list[int] = []
         self.detokenizer = detokenizer
         self.rng = make_generator(state.params, index)
-        #: the last sampled token, fed to the next decode step
-        self.next_input: int | None = None
+        grammar = state.params.grammar
+        self.matcher = None if grammar is None else grammar.matcher()
         self.finished = False
+
+    def pending(self) -> list[int]:
+        """Tokens not yet in the KV cache: the prompt's rest, or the last sampled token."""
+        prompt = self.state.prompt_ids
+        if self.kv_len < len(prompt):
+            return [*prompt[self.kv_len :], *self.output_ids]
+        return self.output_ids[self.kv_len - len(prompt) :]
 
 
 class _RequestState:
-    def __init__(self, handle: RequestHandle, pages: int) -> None:
+    def __init__(self, handle: RequestHandle) -> None:
         self.handle = handle
         self.work = handle.work
         self.params = handle.work.params
         self.prompt_ids = handle.work.prompt_token_ids
-        self.reserved_pages = pages
-        self.prefilled = 0
         self.choices: list[_Choice] = []
-        self.admitted_at = 0.0
+        #: children are created by forking the first choice once the prompt is in
+        self.forked = False
+        self.arrived_at = time.monotonic()
         self.first_token_at: float | None = None
+        self.preemptions = 0
+        #: finished, failed or aborted, as the engine thread sees it
+        self.done = False
 
     @property
-    def prefill_done(self) -> bool:
-        return self.prefilled >= len(self.prompt_ids)
+    def live_choices(self) -> list[_Choice]:
+        return [c for c in self.choices if not c.finished]
 
     @property
-    def parent(self) -> _Choice:
-        return self.choices[0]
+    def slots(self) -> int:
+        """Sequence slots this request occupies (or will, once forked)."""
+        return self.params.n if not self.forked else len(self.live_choices)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """What one step runs: decode rows, prefill chunks, forks, pages needed."""
+
+    decode: list[_Choice]
+    prefill: list[tuple[_Choice, list[int]]]
+    pages: int
 
 
 class Engine:
@@ -172,6 +219,7 @@ class Engine:
         context_length: int,
         options: EngineOptions = EngineOptions(),
         name: str = "engine",
+        observer: EngineObserver | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
@@ -179,11 +227,12 @@ class Engine:
         self.context_length = min(context_length, executor.max_sequence_length)
         self.options = options
         self.name = name
+        self.observer = observer or EngineObserver()
+        self.step_token_budget = options.max_num_batched_tokens or executor.prefill_chunk_size
         self._cond = threading.Condition()
         self._waiting: collections.deque[_RequestState] = collections.deque()
         self._running: list[_RequestState] = []
         self._aborts: collections.deque[RequestHandle] = collections.deque()
-        self._reserved_pages = 0
         self._seq_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -191,6 +240,10 @@ class Engine:
         self._exit_requested = False
         self._consecutive_failures = 0
         self.unhealthy_reason: str | None = None
+        self.preemptions = 0
+        # read by other threads (health, metrics) instead of asking the
+        # executor, which only the engine thread may touch
+        self._kv_free_pages = executor.free_pages()
 
     # ----------------------------------------------------------- lifecycle
 
@@ -201,6 +254,7 @@ class Engine:
             raise RuntimeError("the engine is already running")
         self._loop = loop
         self._stopping = False
+        self._kv_free_pages = self.executor.free_pages()
         self._thread = threading.Thread(target=self._run, name=f"lockgate-{self.name}", daemon=True)
         self._thread.start()
 
@@ -231,6 +285,7 @@ class Engine:
         else:
             with self._cond:
                 self._fail_all(self._shutdown_error())
+                self._kv_free_pages = self.executor.free_pages()
         self._thread = None
         self._exit_requested = False
 
@@ -247,13 +302,13 @@ class Engine:
                 "requests_running": len(self._running),
                 "requests_waiting": len(self._waiting),
                 "kv_pages_total": self.executor.total_pages,
-                "kv_pages_used": self.executor.total_pages - self.executor.free_pages(),
+                "kv_pages_used": self.executor.total_pages - self._kv_free_pages,
             }
 
     # ----------------------------------------------------------- admission
 
     def add(self, work: Work) -> RequestHandle:
-        """Admit `work` to the waiting queue, or raise why it cannot be.
+        """Queue `work` for admission, or raise why it cannot be.
 
         Raises `ContextLengthExceeded` / `InvalidRequestError` (400) for a
         request that can never run, `Overloaded` (429) when the queue is
@@ -269,11 +324,9 @@ class Engine:
         prompt_len = len(work.prompt_token_ids)
         if prompt_len == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if params.n > min(self.options.max_n, self.executor.max_num_seqs):
-            raise InvalidRequestError(
-                f"n must be at most {min(self.options.max_n, self.executor.max_num_seqs)}",
-                param="n",
-            )
+        max_n = min(self.options.max_n, self.executor.max_num_seqs)
+        if params.n > max_n:
+            raise InvalidRequestError(f"n must be at most {max_n}", param="n")
         if prompt_len >= self.context_length:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.context_length} tokens. "
@@ -296,7 +349,7 @@ class Engine:
                     f"token id {token} is outside the vocabulary (0..{self.executor.vocab_size - 1})",
                     param="prompt",
                 )
-        pages = self._pages_needed(prompt_len, max_tokens, params.n)
+        pages = self._pages_alone(prompt_len, max_tokens, params.n)
         if pages > self.executor.total_pages:
             raise InvalidRequestError(
                 f"the request needs {pages} KV pages with n={params.n}, more than the "
@@ -312,7 +365,7 @@ class Engine:
                     f"the server is busy: {len(self._waiting)} requests are waiting; retry later",
                     retry_after=self.options.retry_after,
                 )
-            self._waiting.append(_RequestState(handle, pages))
+            self._waiting.append(_RequestState(handle))
             self._cond.notify_all()
         return handle
 
@@ -322,11 +375,13 @@ class Engine:
             self._aborts.append(handle)
             self._cond.notify_all()
 
-    def _pages_needed(self, prompt_len: int, max_tokens: int, n: int) -> int:
-        page = self.executor.page_size
-        # children fork the prompt's KV; each then needs room for its own output
-        # (+1 page: a fork copies the parent's partly filled last page)
-        return math.ceil((prompt_len + max_tokens) / page) + (n - 1) * (math.ceil(max_tokens / page) + 1)
+    def _pages(self, tokens: int) -> int:
+        return math.ceil(tokens / self.executor.page_size)
+
+    def _pages_alone(self, prompt_len: int, max_tokens: int, n: int) -> int:
+        """Pages a request needs at its longest, running alone: children share
+        the prompt's pages (+1 each: a fork copies the partly filled last page)."""
+        return self._pages(prompt_len + max_tokens) + (n - 1) * (self._pages(max_tokens) + 1)
 
     # ----------------------------------------------------------- engine thread
 
@@ -341,6 +396,7 @@ class Engine:
                 if self._exit_requested:
                     self._process_aborts()
                     self._fail_all(self._shutdown_error())
+                    self._kv_free_pages = self.executor.free_pages()
                     return
             try:
                 self.step()
@@ -348,18 +404,21 @@ class Engine:
                 log.exception("engine step crashed")
                 with self._cond:
                     self._fail_all(InternalError("the engine failed"))
+                    self._kv_free_pages = self.executor.free_pages()
                 self._note_failure("the engine step crashed")
 
     def step(self) -> None:
-        """One scheduling step: aborts, admission, one decode batch, one prefill batch."""
+        """One scheduling step: aborts, admission, one decode batch, prefill chunks."""
         events: list[tuple[RequestHandle, Any]] = []
         with self._cond:
             self._process_aborts()
-            admitted = self._admit()
-        for state in admitted:
-            state.admitted_at = time.monotonic()
-        self._decode(events)
-        self._prefill(events)
+            self._admit()
+            batch = self._plan()
+        if batch.decode:
+            self._run_decode(batch.decode, events)
+        if batch.prefill:
+            self._run_prefill(batch.prefill, events)
+        self._kv_free_pages = self.executor.free_pages()
         self._deliver(events)
 
     def _process_aborts(self) -> None:
@@ -370,41 +429,95 @@ class Engine:
                     if state.handle is handle:
                         queue.remove(state)
                         self._release(state)
-            handle.finished = True
+                        state.done = True
+                        self.observer.request_finished(
+                            ttft=None, tpot=None, prompt_tokens=len(state.prompt_ids),
+                            completion_tokens=sum(len(c.output_ids) for c in state.choices),
+                            outcome="aborted",
+                        )
 
-    def _admit(self) -> list[_RequestState]:
-        admitted = []
+    def _admit(self) -> None:
+        """FCFS admission while sequence slots and pages for the next prompt chunk last."""
         if self._stopping:
-            return admitted
-        running_seqs = sum(len(s.choices) for s in self._running)
+            return
+        slots = sum(s.slots for s in self._running)
+        free = self.executor.free_pages() - slots  # one page of headroom per running sequence
         while self._waiting:
             state = self._waiting[0]
-            n = state.params.n
-            if running_seqs + n > self.executor.max_num_seqs:
+            if slots + state.slots > self.executor.max_num_seqs:
                 break
-            if self._reserved_pages + state.reserved_pages > self.executor.total_pages:
+            first_chunk = min(len(state.prompt_ids), self.step_token_budget)
+            need = self._pages(first_chunk) * max(1, len(state.live_choices) if state.forked else 1)
+            if need > free and self._running:
                 break
             self._waiting.popleft()
-            self._reserved_pages += state.reserved_pages
-            seq_id = next(self._seq_ids)
-            self.executor.add_sequence(seq_id)
-            state.choices.append(self._new_choice(state, 0, seq_id))
+            if not state.choices:
+                state.choices.append(self._new_choice(state, 0))
+            for choice in state.live_choices:
+                choice.seq_id = next(self._seq_ids)
+                self.executor.add_sequence(choice.seq_id)
             self._running.append(state)
-            running_seqs += n
-            admitted.append(state)
-        return admitted
+            slots += state.slots
+            free -= need
 
-    def _new_choice(self, state: _RequestState, index: int, seq_id: int) -> _Choice:
+    def _new_choice(self, state: _RequestState, index: int) -> _Choice:
         detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             state.prompt_ids,
             stop=state.params.stop,
             skip_special_tokens=state.params.skip_special_tokens,
         )
-        return _Choice(state, index, seq_id, detokenizer)
+        return _Choice(state, index, detokenizer)
+
+    def _plan(self) -> _Batch:
+        """Choose this step's decode rows and prefill chunks within the token
+        budget and the free pages, preempting the newest requests if pages
+        run out."""
+        while True:
+            budget = self.step_token_budget
+            decode: list[_Choice] = []
+            prefill: list[tuple[_Choice, list[int]]] = []
+            pages = 0
+            for state in self._running:
+                for choice in state.live_choices:
+                    pending = choice.pending()
+                    if len(pending) == 1:
+                        decode.append(choice)
+                        pages += self._pages(choice.kv_len + 1) - self._pages(choice.kv_len)
+            budget -= len(decode)
+            chunk_room = self.executor.prefill_chunk_size
+            for state in self._running:
+                for choice in state.live_choices:
+                    pending = choice.pending()
+                    if len(pending) <= 1 or budget <= 0 or chunk_room <= 0:
+                        continue
+                    take = min(len(pending), budget, chunk_room)
+                    prefill.append((choice, pending[:take]))
+                    pages += self._pages(choice.kv_len + take) - self._pages(choice.kv_len)
+                    if take == len(pending) and not state.forked:
+                        pages += (state.params.n - 1)  # forked children copy the last page
+                    budget -= take
+                    chunk_room -= take
+            if pages <= self.executor.free_pages() or not self._running:
+                return _Batch(decode, prefill, pages)
+            self._preempt(self._running[-1])
+
+    def _preempt(self, state: _RequestState) -> None:
+        """Free a request's KV and queue it first, to be recomputed later."""
+        self._running.remove(state)
+        for choice in state.choices:
+            if choice.seq_id >= 0:
+                self.executor.remove_sequence(choice.seq_id)
+                choice.seq_id = -1
+            choice.kv_len = 0
+        state.preemptions += 1
+        self.preemptions += 1
+        self.observer.preempted()
+        self._waiting.appendleft(state)
+        log.info("request preempted", request_id=state.work.request_id, preemptions=state.preemptions)
 
     def _release(self, state: _RequestState) -> None:
-        """Remove a request's sequences from the KV cache and its page reservation."""
+        """Remove a request's sequences from the KV cache."""
         for choice in state.choices:
             if choice.seq_id >= 0:
                 try:
@@ -412,118 +525,145 @@ class Engine:
                 except Exception:
                     log.exception("removing a sequence failed", seq_id=choice.seq_id)
                 choice.seq_id = -1
-        self._reserved_pages -= state.reserved_pages
-        state.reserved_pages = 0
 
-    def _decode(self, events: list) -> None:
-        with self._cond:
-            choices = [
-                c
-                for state in self._running
-                for c in state.choices
-                if not c.finished and c.next_input is not None
-            ]
-        if not choices:
-            return
+    def _run_decode(self, choices: list[_Choice], events: list) -> None:
         try:
-            logits = self.executor.decode([c.seq_id for c in choices], [c.next_input for c in choices])
+            logits = self.executor.decode([c.seq_id for c in choices], [c.pending()[0] for c in choices])
         except Exception as exc:
             self._executor_failed(exc, {c.state for c in choices}, events)
             return
         self._consecutive_failures = 0
-        for row, choice in zip(logits, choices):
-            self._advance(choice, row, events)
+        for choice in choices:
+            choice.kv_len += 1
+        self._sample(choices, logits, events)
 
-    def _prefill(self, events: list) -> None:
-        budget = self.executor.prefill_chunk_size
-        batch: list[tuple[_RequestState, int, int]] = []
-        with self._cond:
-            for state in self._running:
-                if state.prefill_done or budget <= 0:
-                    continue
-                take = min(len(state.prompt_ids) - state.prefilled, budget)
-                batch.append((state, state.prefilled, state.prefilled + take))
-                budget -= take
-        if not batch:
-            return
+    def _run_prefill(self, chunks: list[tuple[_Choice, list[int]]], events: list) -> None:
         try:
-            logits = self.executor.prefill(
-                [state.parent.seq_id for state, _, _ in batch],
-                [state.prompt_ids[start:end] for state, start, end in batch],
-            )
+            logits = self.executor.prefill([c.seq_id for c, _ in chunks], [t for _, t in chunks])
         except Exception as exc:
-            self._executor_failed(exc, {state for state, _, _ in batch}, events)
+            self._executor_failed(exc, {c.state for c, _ in chunks}, events)
             return
         self._consecutive_failures = 0
-        for (state, _, end), row in zip(batch, logits):
-            state.prefilled = end
-            if not state.prefill_done:
+        ready: list[_Choice] = []
+        rows: list[int] = []
+        for row, (choice, tokens) in enumerate(chunks):
+            choice.kv_len += len(tokens)
+            if choice.pending():
+                continue  # more of the prompt to come
+            state = choice.state
+            if not state.forked:
+                try:
+                    self._fork(state)
+                except Exception as exc:
+                    self._executor_failed(exc, {state}, events)
+                    continue
+                for child in state.live_choices:
+                    ready.append(child)
+                    rows.append(row)
+            else:
+                ready.append(choice)
+                rows.append(row)
+        if ready:
+            self._sample(ready, logits[rows], events)
+
+    def _fork(self, state: _RequestState) -> None:
+        """The prompt is in: create the other `n - 1` choices sharing its KV."""
+        parent = state.choices[0]
+        for index in range(1, state.params.n):
+            child = self._new_choice(state, index)
+            child.seq_id = next(self._seq_ids)
+            self.executor.fork_sequence(parent.seq_id, child.seq_id)
+            child.kv_len = parent.kv_len
+            state.choices.append(child)
+        state.forked = True
+
+    def _sample(self, choices: list[_Choice], logits: np.ndarray, events: list) -> None:
+        """Sample the next token of each choice, detokenize, check stop rules.
+
+        A failure tied to one request (its grammar, its detokenization) fails
+        that request alone.
+        """
+        rows: list[SamplingRow] = []
+        for choice in choices:
+            allowed = None
+            if choice.matcher is not None:
+                try:
+                    allowed = choice.matcher.allowed(logits.shape[1])
+                except Exception:
+                    log.exception("grammar mask failed", request_id=choice.state.work.request_id)
+                    self._fail_request(choice.state, InternalError("structured output failed for this request"), events)
+                    allowed = np.zeros(logits.shape[1], dtype=bool)
+            rows.append(
+                SamplingRow(choice.state.params, choice.rng, choice.state.prompt_ids, choice.output_ids, allowed)
+            )
+        tokens, logprobs = sample_batch(logits, rows)
+        now = time.monotonic()
+        for choice, token, logprob in zip(choices, tokens, logprobs):
+            state = choice.state
+            if state.done or choice.finished:
                 continue
             try:
-                for index in range(1, state.params.n):
-                    seq_id = next(self._seq_ids)
-                    self.executor.fork_sequence(state.parent.seq_id, seq_id)
-                    state.choices.append(self._new_choice(state, index, seq_id))
-            except Exception as exc:
-                self._executor_failed(exc, {state}, events)
+                delta = self._accept(choice, int(token), logprob)
+            except Exception:
+                log.exception("generation failed for one request", request_id=state.work.request_id)
+                self._fail_request(state, InternalError("generation failed for this request"), events)
                 continue
-            for choice in list(state.choices):
-                self._advance(choice, row, events)
+            if state.first_token_at is None:
+                state.first_token_at = now
+            events.append((state.handle, delta))
+            if delta.finish_reason is not None:
+                self._finish_choice(choice, events)
 
-    def _advance(self, choice: _Choice, logits: np.ndarray, events: list) -> None:
-        """Sample the next token of one choice, detokenize it, check the stop rules."""
-        state = choice.state
-        if state.handle.finished:
-            return
-        try:
-            token = sample_token(logits, state.params, choice.rng, state.prompt_ids, choice.output_ids)
-            delta = self._accept(choice, token)
-        except Exception:
-            log.exception("generation failed for one request", request_id=state.work.request_id)
-            self._fail_request(state, InternalError("generation failed for this request"), events)
-            return
-        if state.first_token_at is None:
-            state.first_token_at = time.monotonic()
-        events.append((state.handle, delta))
-        if delta.finish_reason is not None:
-            choice.finished = True
-            self._finish_choice(choice, events)
-
-    def _accept(self, choice: _Choice, token: int) -> Delta:
+    def _accept(self, choice: _Choice, token: int, logprob: TokenLogprob | None) -> Delta:
         params = choice.state.params
         choice.output_ids.append(token)
-        choice.next_input = token
         index = choice.state.work.choice_offset + choice.index
+        logprobs = None if logprob is None else [logprob]
+        if choice.matcher is not None:
+            choice.matcher.accept(token)
         is_eos = token in self.eos_token_ids and not params.ignore_eos
         if is_eos or token in params.stop_token_ids:
-            return Delta(index, choice.detokenizer.finish(), [token], "stop")
+            return Delta(index, choice.detokenizer.finish(), [token], "stop", logprobs)
         step = choice.detokenizer.add(token)
         if step.stopped:
-            return Delta(index, step.text, [token], "stop")
+            return Delta(index, step.text, [token], "stop", logprobs)
+        if choice.matcher is not None and choice.matcher.is_finished:
+            return Delta(index, step.text + choice.detokenizer.finish(), [token], "stop", logprobs)
         if len(choice.output_ids) >= choice.state.handle.max_tokens:
-            return Delta(index, step.text + choice.detokenizer.finish(), [token], "length")
-        return Delta(index, step.text, [token], None)
+            return Delta(index, step.text + choice.detokenizer.finish(), [token], "length", logprobs)
+        return Delta(index, step.text, [token], None, logprobs)
 
     def _finish_choice(self, choice: _Choice, events: list) -> None:
         state = choice.state
+        choice.finished = True
         if choice.seq_id >= 0:
             self.executor.remove_sequence(choice.seq_id)
             choice.seq_id = -1
-        if all(c.finished for c in state.choices) and len(state.choices) == state.params.n:
-            with self._cond:
-                if state in self._running:
-                    self._running.remove(state)
-                self._release(state)
-            events.append((state.handle, _END))
-            log.info(
-                "request finished",
-                request_id=state.work.request_id,
-                prompt_tokens=len(state.prompt_ids),
-                completion_tokens=sum(len(c.output_ids) for c in state.choices),
-                ttft_ms=None
-                if state.first_token_at is None
-                else round((state.first_token_at - state.admitted_at) * 1000, 1),
-            )
+        if state.live_choices:
+            return
+        state.done = True
+        with self._cond:
+            if state in self._running:
+                self._running.remove(state)
+        events.append((state.handle, _END))
+        completion_tokens = sum(len(c.output_ids) for c in state.choices)
+        now = time.monotonic()
+        ttft = None if state.first_token_at is None else state.first_token_at - state.arrived_at
+        tpot = None
+        if state.first_token_at is not None and completion_tokens > len(state.choices):
+            tpot = (now - state.first_token_at) / (completion_tokens - len(state.choices))
+        self.observer.request_finished(
+            ttft=ttft, tpot=tpot, prompt_tokens=len(state.prompt_ids),
+            completion_tokens=completion_tokens, outcome="success",
+        )
+        log.info(
+            "request finished",
+            request_id=state.work.request_id,
+            prompt_tokens=len(state.prompt_ids),
+            completion_tokens=completion_tokens,
+            ttft_ms=None if ttft is None else round(ttft * 1000, 1),
+            preemptions=state.preemptions,
+        )
 
     # ----------------------------------------------------------- failures
 
@@ -547,6 +687,9 @@ class Engine:
                 self._fail_all(Unavailable("the engine is unhealthy", retry_after=self.options.retry_after))
 
     def _fail_request(self, state: _RequestState, error: Exception, events: list) -> None:
+        if state.done:
+            return
+        state.done = True
         with self._cond:
             if state in self._running:
                 self._running.remove(state)
@@ -554,6 +697,10 @@ class Engine:
         for choice in state.choices:
             choice.finished = True
         events.append((state.handle, error))
+        self.observer.request_finished(
+            ttft=None, tpot=None, prompt_tokens=len(state.prompt_ids),
+            completion_tokens=sum(len(c.output_ids) for c in state.choices), outcome="error",
+        )
 
     def _fail_all(self, error: Exception) -> None:
         """Fail every queued and running request (caller holds the lock)."""
@@ -563,6 +710,7 @@ class Engine:
         self._running.clear()
         for state in states:
             self._release(state)
+            state.done = True
             for choice in state.choices:
                 choice.finished = True
             events.append((state.handle, error))
@@ -580,4 +728,3 @@ class Engine:
             self._loop.call_soon_threadsafe(deliver)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
-

@@ -30,6 +30,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     skip_special_tokens: bool = True
+    #: None: no logprobs; otherwise how many alternatives to report per token
+    logprobs: int | None = None
+    #: a compiled `response_format` grammar (`lockgate.structured.Grammar`), or None
+    grammar: object | None = None
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +54,11 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = (stop,)
         top_k = int(value("top_k", 0))
+        logprobs = body.get("logprobs")
+        if logprobs is True:  # chat: a flag plus top_logprobs
+            logprobs = int(value("top_logprobs", 0))
+        elif logprobs is False:
+            logprobs = None
         return cls(
             max_tokens=None if max_tokens is None else int(max_tokens),
             temperature=float(value("temperature", 1.0)),
@@ -66,4 +75,5 @@ class SamplingParams:
             ignore_eos=bool(value("ignore_eos", False)),
             n=int(value("n", 1)),
             skip_special_tokens=bool(value("skip_special_tokens", True)),
+            logprobs=logprobs,
         )

@@ -170,14 +170,16 @@ def test_sampling_filters_on_a_known_distribution():
 
 
 def test_penalty_arithmetic():
-    logits = np.array([1.0, 2.0, -1.0, 0.5], dtype=np.float32)
-    out = process_logits(logits, SamplingParams(presence_penalty=0.5), [3], [1, 1, 2])
+    def logits():
+        return np.array([1.0, 2.0, -1.0, 0.5], dtype=np.float32)
+
+    out = process_logits(logits(), SamplingParams(presence_penalty=0.5), [3], [1, 1, 2])
     np.testing.assert_allclose(out, [1.0, 1.5, -1.5, 0.5])
-    out = process_logits(logits, SamplingParams(frequency_penalty=0.5), [3], [1, 1, 2])
+    out = process_logits(logits(), SamplingParams(frequency_penalty=0.5), [3], [1, 1, 2])
     np.testing.assert_allclose(out, [1.0, 1.0, -1.5, 0.5])
-    out = process_logits(logits, SamplingParams(repetition_penalty=2.0), [3], [1, 2])
+    out = process_logits(logits(), SamplingParams(repetition_penalty=2.0), [3], [1, 2])
     np.testing.assert_allclose(out, [1.0, 1.0, -2.0, 0.25])
-    out = process_logits(logits, SamplingParams(logit_bias={0: -100.0, 2: 5.0}), [], [])
+    out = process_logits(logits(), SamplingParams(logit_bias={0: -100.0, 2: 5.0}), [], [])
     np.testing.assert_allclose(out, [-99.0, 2.0, 4.0, 0.5])
 
 
@@ -209,5 +211,48 @@ async def test_shutdown_drains_then_fails_leftovers(model):
     engine.start(loop)  # an app restarted around the same model serves again
     try:
         assert (await run(engine, PROMPTS[0], max_tokens=3))[2] == {0: "length"}
+    finally:
+        await loop.run_in_executor(None, engine.shutdown)
+
+
+async def test_preemption_by_recompute_leaves_output_unchanged(load_tiny):
+    """A KV cache too small for all requests at once: the newest are
+    preempted and recomputed, and every output equals its run alone."""
+    model = load_tiny(executor_options={"max_total_tokens": 320, "max_num_seqs": 4})
+    engine = model.engine
+    loop = asyncio.get_running_loop()
+    engine.start(loop)
+    try:
+        prompts = [[5 + i, 40, 41, 60, 7 + i] for i in range(4)]
+        alone = [(await run(engine, p, temperature=0, max_tokens=100))[1][0] for p in prompts]
+        seeded_alone = (await run(engine, prompts[0], temperature=1.0, seed=9, max_tokens=100))[1][0]
+        assert engine.preemptions == 0
+        together = await asyncio.gather(
+            *(run(engine, p, f"g{i}", temperature=0, max_tokens=100) for i, p in enumerate(prompts)),
+            run(engine, prompts[0], "s", temperature=1.0, seed=9, max_tokens=100),
+        )
+        assert engine.preemptions > 0
+        assert [t[1][0] for t in together[:4]] == alone
+        assert together[4][1][0] == seeded_alone
+        assert (await wait_idle(engine))["kv_pages_used"] == 0
+    finally:
+        await loop.run_in_executor(None, engine.shutdown)
+
+
+async def test_step_token_budget_chunks_long_prompts(load_tiny):
+    """A prompt longer than the step budget is prefilled over several steps
+    while another request keeps decoding; greedy output is unaffected."""
+    model = load_tiny(max_num_batched_tokens=32)
+    engine = model.engine
+    loop = asyncio.get_running_loop()
+    engine.start(loop)
+    try:
+        long_prompt = [5 + (i % 200) for i in range(200)]
+        alone = (await run(engine, long_prompt, temperature=0, max_tokens=10))[1][0]
+        decoding = asyncio.ensure_future(run(engine, PROMPTS[0], "d", temperature=0, max_tokens=60))
+        await asyncio.sleep(0.01)
+        chunked = (await run(engine, long_prompt, "c", temperature=0, max_tokens=10))[1][0]
+        assert chunked == alone
+        assert len((await decoding)[1][0]) == 60
     finally:
         await loop.run_in_executor(None, engine.shutdown)

@@ -171,20 +171,25 @@ async def test_exception_in_each_pipeline_hook(tiny_model, make_client, hook, st
 
 
 async def test_failure_inside_a_step_for_one_request(load_tiny, make_client, monkeypatch):
-    """A per-request failure (here: its sampling) fails that request alone."""
-    real_sample = lockgate.engine.sample_token
+    """A per-request failure inside a step (here: its detokenizer) fails that
+    request alone; the other request in the same batch completes."""
 
-    def sample(logits, params, *args, **kwargs):
-        if params.seed == 13:
-            raise ValueError("injected sampling failure")
-        return real_sample(logits, params, *args, **kwargs)
+    class FragileDetokenizer(lockgate.engine.IncrementalDetokenizer):
+        def __init__(self, tokenizer, prompt_token_ids, *, stop=(), **kwargs):
+            super().__init__(tokenizer, prompt_token_ids, stop=stop, **kwargs)
+            self.fragile = "fragile" in stop
 
-    monkeypatch.setattr(lockgate.engine, "sample_token", sample)
+        def add(self, token_id):
+            if self.fragile:
+                raise ValueError("injected detokenizer failure")
+            return super().add(token_id)
+
+    monkeypatch.setattr(lockgate.engine, "IncrementalDetokenizer", FragileDetokenizer)
     model = load_tiny()
     client = await make_client(model)
     body = {**GOOD, "max_tokens": 30, "ignore_eos": True}
     good, bad = await asyncio.gather(
-        client.post(CHAT, json={**body, "seed": 1}), client.post(CHAT, json={**body, "seed": 13})
+        client.post(CHAT, json={**body, "stop": "sturdy"}), client.post(CHAT, json={**body, "stop": "fragile"})
     )
     assert bad.status == 500
     assert good.status == 200
