@@ -367,7 +367,13 @@ def build_module(config: LlamaConfig, target: Target):
     from lockgate.plugins.tvm.model import LlamaForCausalLM
 
     model = LlamaForCausalLM(config, target)
-    mod, named_params = model.export_tvm(spec=model.export_spec())
+    if target.kind.name == "llvm":
+        from lockgate.plugins.tvm.kernels import cpu_attention_kernels
+
+        with cpu_attention_kernels():
+            mod, named_params = model.export_tvm(spec=model.export_spec())
+    else:
+        mod, named_params = model.export_tvm(spec=model.export_spec())
     pipeline = cpu_pipeline() if target.kind.name == "llvm" else cuda_pipeline()
     with target:
         executable = tvm.compile(mod, target=target, relax_pipeline=pipeline)
