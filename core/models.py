@@ -4,6 +4,7 @@ served set that requests name."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,6 +42,13 @@ class Model:
     engine: Engine
     aliases: tuple[str, ...] = ()
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @functools.cached_property
+    def token_bytes(self):
+        """`TokenBytes` of this model's tokenizer: each token's raw bytes and text."""
+        from lockgate.tokenizer import TokenBytes
+
+        return TokenBytes(self.tokenizer)
 
     @property
     def context_length(self) -> int:

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 
 from lockgate.errors import ModelLoadError
 
-__all__ = ["eos_token_ids", "load_tokenizer", "SUPPORTED_PRE_TOKENIZERS"]
+__all__ = ["eos_token_ids", "load_tokenizer", "SUPPORTED_PRE_TOKENIZERS", "TokenBytes"]
 
 # GPT-2's split: contractions, letters, numbers, other symbols, each with an
 # optional leading space, and runs of whitespace. llama.cpp writes it without
@@ -254,3 +254,49 @@ def eos_token_ids(reader: gguf.GGUFReader, tokenizer: PreTrainedTokenizerFast) -
     for text in _END_OF_TURN_TEXTS:
         add(control.get(text))
     return ids
+
+
+def _gpt2_byte_of_char() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-printable-character table."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {char: b for b, char in chars.items()}
+
+
+class TokenBytes:
+    """The raw bytes of single tokens (for logprobs, which report each token's
+    text and bytes even when it holds only part of a UTF-8 character)."""
+
+    _BYTE_OF_CHAR = _gpt2_byte_of_char()
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        self._tokenizer = tokenizer
+        self._added = set(tokenizer.added_tokens_decoder)
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        found = self._cache.get(token_id)
+        if found is None:
+            text = self._tokenizer.convert_ids_to_tokens(token_id)
+            if token_id in self._added:
+                found = text.encode()
+            else:
+                try:
+                    found = bytes(self._BYTE_OF_CHAR[char] for char in text)
+                except KeyError:  # not a byte-level token
+                    found = text.encode()
+            self._cache[token_id] = found
+        return found
+
+    def text(self, token_id: int) -> str:
+        """The token's text; bytes that are not whole UTF-8 characters show as U+FFFD."""
+        return self(token_id).decode("utf-8", errors="replace")

@@ -189,12 +189,8 @@ def check_logprobs(body, chat):
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
             )
-        wanted = body.get("logprobs") is True
     else:
         check_number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-        wanted = body.get("logprobs") is not None
-    if wanted:
-        raise UnsupportedParameter("logprobs are not supported by this server yet", param="logprobs")
 
 
 def check_stream(body):

@@ -6,16 +6,53 @@ import time
 from typing import Any
 
 from lockgate.engine import Delta, Usage
+from lockgate.sampling import TokenLogprob
 
 
 class ResponseBuilder:
-    """Builds the JSON of one response (or its stream chunks) for an endpoint."""
+    """Builds the JSON of one response (or its stream chunks) for an endpoint.
 
-    def __init__(self, *, chat: bool, request_id: str, model: str) -> None:
+    :param token_bytes: a `lockgate.tokenizer.TokenBytes` of the model, to
+        spell out tokens in logprobs.
+    """
+
+    def __init__(self, *, chat: bool, request_id: str, model: str, token_bytes) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())
+        self.token_bytes = token_bytes
+        #: completions logprobs: characters of text so far per choice (text_offset)
+        self._offsets: dict[int, int] = {}
+
+    # ------------------------------------------------------------ logprobs
+
+    def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """The `logprobs` object of a choice (or of a chunk) in the endpoint's shape."""
+        if entries is None:
+            return None
+        text = self.token_bytes.text
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                return {"token": text(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
+
+            return {
+                "content": [
+                    {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                    for e in entries
+                ],
+                "refusal": None,
+            }
+        offsets = []
+        for e in entries:
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(text(e.token_id))
+        return {
+            "tokens": [text(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -30,7 +67,11 @@ class ResponseBuilder:
     # ------------------------------------------------------------ whole
 
     def completion(
-        self, texts: dict[int, str], finish_reasons: dict[int, str | None], usage: Usage
+        self,
+        texts: dict[int, str],
+        finish_reasons: dict[int, str | None],
+        usage: Usage,
+        logprobs: dict[int, list[TokenLogprob] | None],
     ) -> dict[str, Any]:
         choices = []
         for index in sorted(texts):
@@ -38,14 +79,14 @@ class ResponseBuilder:
                 choice = {
                     "index": index,
                     "message": {"role": "assistant", "content": texts[index]},
-                    "logprobs": None,
+                    "logprobs": self.logprobs(index, logprobs.get(index)),
                     "finish_reason": finish_reasons.get(index),
                 }
             else:
                 choice = {
                     "index": index,
                     "text": texts[index],
-                    "logprobs": None,
+                    "logprobs": self.logprobs(index, logprobs.get(index)),
                     "finish_reason": finish_reasons.get(index),
                 }
             choices.append(choice)
@@ -80,14 +121,14 @@ class ResponseBuilder:
             choice = {
                 "index": delta.index,
                 "delta": {"content": delta.text} if delta.text or delta.finish_reason is None else {},
-                "logprobs": None,
+                "logprobs": self.logprobs(delta.index, delta.logprobs),
                 "finish_reason": delta.finish_reason,
             }
         else:
             choice = {
                 "index": delta.index,
                 "text": delta.text,
-                "logprobs": None,
+                "logprobs": self.logprobs(delta.index, delta.logprobs),
                 "finish_reason": delta.finish_reason,
             }
         return self._chunk([choice], include_usage)

@@ -126,7 +126,10 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     request[PIPELINE_REQUEST] = pipeline_requests[0]
     # everything that can refuse the request runs before a byte is sent
     handles = await run_pipeline(request.app[PLUGIN_MANAGER], pipeline_requests, model)
-    builder = ResponseBuilder(chat=endpoint == CHAT_ENDPOINT, request_id=request_id, model=model.name)
+    builder = ResponseBuilder(
+        chat=endpoint == CHAT_ENDPOINT, request_id=request_id, model=model.name,
+        token_bytes=model.token_bytes,
+    )
     try:
         if body.get("stream") is True:
             return await _stream(request, body, handles, builder)
@@ -139,15 +142,19 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
 async def _collect(request, handles, builder: ResponseBuilder) -> web.Response:
     texts: dict[int, list[str]] = {}
     finish_reasons: dict[int, str | None] = {}
+    logprobs: dict[int, list | None] = {}
     for handle in handles:
         for i in range(handle.work.params.n):
             texts[handle.work.choice_offset + i] = []
+            logprobs[handle.work.choice_offset + i] = None if handle.work.params.logprobs is None else []
     async for delta in _merged(request, handles):
         texts[delta.index].append(delta.text)
+        if delta.logprobs:
+            logprobs[delta.index].extend(delta.logprobs)
         if delta.finish_reason is not None:
             finish_reasons[delta.index] = delta.finish_reason
     joined = {index: "".join(parts) for index, parts in texts.items()}
-    return web.json_response(builder.completion(joined, finish_reasons, _usage(handles)))
+    return web.json_response(builder.completion(joined, finish_reasons, _usage(handles), logprobs))
 
 
 async def _stream(request, body, handles, builder: ResponseBuilder) -> web.StreamResponse:

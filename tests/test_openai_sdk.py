@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import openai
 import pytest
 
@@ -139,3 +141,42 @@ async def test_api_key_raw(tiny_model, make_client):
     assert wrong_scheme.status == 401
     ok = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
     assert ok.status == 200
+
+
+async def test_chat_logprobs(tiny_model, make_openai):
+    client = await make_openai(tiny_model)
+    common = dict(model="tiny", messages=USER, max_tokens=6, temperature=0, logprobs=True,
+                  top_logprobs=3, extra_body={"ignore_eos": True})
+    reply = await client.chat.completions.create(**common)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-4
+        # greedy picks the most likely token
+        assert entry.top_logprobs[0].token == entry.token
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-6
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+    assert "".join(e.token for e in content) == reply.choices[0].message.content
+    stream = await client.chat.completions.create(**common, stream=True)
+    streamed = [e async for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    plain = await client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+async def test_completions_logprobs(tiny_model, make_openai):
+    client = await make_openai(tiny_model)
+    reply = await client.completions.create(
+        model="tiny", prompt="the cat", max_tokens=5, temperature=1.0, seed=4, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
