@@ -20,10 +20,11 @@ import structlog
 from aiohttp import web
 
 from lockgate.logging import configure_logging
+from lockgate.metrics import Metrics
 from lockgate.models import Model, ServedModels, load_model
 from lockgate.plugin_manager import get_plugin_manager
 from lockgate.server.config import Settings
-from lockgate.server.keys import MODELS, PLUGIN_MANAGER, SETTINGS
+from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS
 
 from lockgate.server.middlewares import (
     api_key_middleware,
@@ -57,6 +58,7 @@ def create_app(
     app[SETTINGS] = settings
     app[PLUGIN_MANAGER] = pm
     app[MODELS] = ServedModels()
+    app[METRICS] = Metrics()
     app.on_response_prepare.append(set_request_id_header)
     app.add_routes(routes)
     app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))
@@ -73,6 +75,7 @@ def _model_lifecycle(given: list[Model] | None):
             models = [await loop.run_in_executor(None, load_from_settings, app[PLUGIN_MANAGER], settings)]
         for model in models:
             app[MODELS].add(model)
+            app[METRICS].observe_engine(model.engine)
             model.engine.start(loop)
             log.info("serving", model=model.name, context_length=model.context_length)
         try:

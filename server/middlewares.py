@@ -25,13 +25,20 @@ from lockgate.errors import (
     RouteNotFound,
 )
 from lockgate.types import ErrorResponse
-from lockgate.server.keys import PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS
+from lockgate.server.keys import (
+    ERROR_TYPE,
+    METRICS,
+    PIPELINE_REQUEST,
+    PLUGIN_MANAGER,
+    REQUEST_ID,
+    SETTINGS,
+)
 
 log = structlog.get_logger("lockgate.server")
 
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 #: routes answered without an API key
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def new_request_id() -> str:
@@ -56,6 +63,8 @@ async def request_id_middleware(request: web.Request, handler):
         status = 499  # the client went away
         raise
     finally:
+        if request.path.startswith("/v1/"):
+            request.app[METRICS].count_request(status, request.get(ERROR_TYPE))
         log.info(
             "request",
             method=request.method,
@@ -93,6 +102,12 @@ def error_from_http_exception(request: web.Request, exc: web.HTTPException) -> E
 
 def error_response(request: web.Request, exc: BaseException) -> ErrorResponse:
     """Ask the plugins how to answer `exc`; never raises."""
+    answer = _ask_plugins(request, exc)
+    request[ERROR_TYPE] = answer.type
+    return answer
+
+
+def _ask_plugins(request: web.Request, exc: BaseException) -> ErrorResponse:
     pipeline_request = request.get(PIPELINE_REQUEST)
     pm = request.app[PLUGIN_MANAGER]
     try:

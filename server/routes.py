@@ -10,12 +10,13 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lockgate.engine import RequestHandle, Usage
 from lockgate.errors import InvalidRequestError, ModelNotFound, Unavailable
 from lockgate.pipeline import run_pipeline
 from lockgate.types import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, Request
-from lockgate.server.keys import MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID
+from lockgate.server.keys import METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID
 from lockgate.server.middlewares import error_response
 from lockgate.server.responses import ResponseBuilder
 
@@ -233,3 +234,9 @@ async def health(request: web.Request) -> web.Response:
                 + (model.engine.unhealthy_reason or "the server is shutting down")
             )
     return web.json_response({"status": "ok", "models": {m.name: m.engine.stats() for m in models}})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

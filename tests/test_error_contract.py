@@ -4,6 +4,7 @@ OpenAI error shape with `x-request-id`, the server serving on afterwards."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -190,3 +191,30 @@ async def test_client_request_id_is_echoed(tiny_model, make_client):
     assert (await response.json())["id"] == "chatcmpl-abc-123"
     hostile = await client.get("/health", headers={"x-request-id": "a b\tc" * 100})
     assert hostile.headers["x-request-id"] != "a b\tc" * 100
+
+
+async def test_metrics_track_requests_and_return_to_zero(load_tiny, make_client):
+    model = load_tiny()
+    client = await make_client(model, api_keys=("k",))
+    auth = {"Authorization": "Bearer k"}
+    long = {**GOOD, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    streaming = await client.post(CHAT, json=long, headers=auth)
+    await streaming.content.readline()
+    text = await (await client.get("/metrics")).text()  # open, like /health
+    assert 'lockgate_requests_running{model="tiny"} 1.0' in text
+    assert 'lockgate_kv_pages_used{model="tiny"} 0.0' not in text
+    streaming.close()  # the client goes away mid-stream
+    assert (await client.post(CHAT, json=GOOD, headers=auth)).status == 200
+    assert (await client.post(CHAT, json={**GOOD, "temperature": 9}, headers=auth)).status == 400
+    await wait_idle(model.engine)
+    await asyncio.sleep(0.1)
+    text = await (await client.get("/metrics")).text()
+    for gauge in ("requests_running", "requests_waiting", "kv_pages_used"):
+        assert f'lockgate_{gauge}{{model="tiny"}} 0.0' in text, gauge
+    assert 'lockgate_requests_total{error_type="",outcome="success"} 1.0' in text
+    assert 'lockgate_requests_total{error_type="invalid_request_error",outcome="error"} 1.0' in text
+    assert 'lockgate_requests_total{error_type="",outcome="aborted"} 1.0' in text
+    assert 'lockgate_time_to_first_token_seconds_count{model="tiny"} 1.0' in text
+    # the finished request's 2 tokens and what the aborted one generated
+    generated = float(re.search(r'lockgate_generation_tokens_total\{model="tiny"\} (\S+)', text)[1])
+    assert generated >= 3

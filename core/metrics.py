@@ -1,0 +1,100 @@
+"""Prometheus metrics of an engine: gauges read at scrape time, histograms and
+counters fed by the engine thread through the `EngineObserver` interface."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from lockgate.engine import Engine, EngineObserver
+
+# Buckets for a CPU or GPU server alike: sub-millisecond decode steps up to
+# tens of seconds of queueing.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class _EngineGauges(Collector):
+    """Running/waiting requests and KV pages, read from the engines when scraped
+    (so they can never drift from the truth)."""
+
+    def __init__(self) -> None:
+        self.engines: list[Engine] = []
+
+    def collect(self):
+        families = {
+            "requests_running": GaugeMetricFamily(
+                "lockgate_requests_running", "Requests being generated.", labels=["model"]),
+            "requests_waiting": GaugeMetricFamily(
+                "lockgate_requests_waiting", "Requests queued for admission.", labels=["model"]),
+            "kv_pages_used": GaugeMetricFamily(
+                "lockgate_kv_pages_used", "KV cache pages held by sequences.", labels=["model"]),
+            "kv_pages_total": GaugeMetricFamily(
+                "lockgate_kv_pages_total", "KV cache pages in all.", labels=["model"]),
+        }
+        for engine in self.engines:
+            stats = engine.stats()
+            for key, family in families.items():
+                family.add_metric([engine.name], stats[key])
+        yield from families.values()
+
+
+class Metrics:
+    """All lockgate metrics of one server, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._gauges = _EngineGauges()
+        self.registry.register(self._gauges)
+        self.ttft = Histogram(
+            "lockgate_time_to_first_token_seconds", "From arrival to the first generated token.",
+            ["model"], buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(
+            "lockgate_time_per_output_token_seconds", "Mean time per generated token after the first.",
+            ["model"], buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter(
+            "lockgate_prompt_tokens", "Prompt tokens of finished requests.", ["model"],
+            registry=self.registry)
+        self.generation_tokens = Counter(
+            "lockgate_generation_tokens", "Generated tokens of finished requests.", ["model"],
+            registry=self.registry)
+        self.preemptions = Counter(
+            "lockgate_preemptions", "Requests preempted for KV pages (recomputed later).", ["model"],
+            registry=self.registry)
+        self.requests = Counter(
+            "lockgate_requests", "HTTP requests to the API by outcome and error type.",
+            ["outcome", "error_type"], registry=self.registry)
+
+    def observe_engine(self, engine: Engine) -> None:
+        """Report `engine`'s gauges and events from now on."""
+        self._gauges.engines.append(engine)
+        engine.observer = _EngineMetrics(self, engine.name)
+
+    def count_request(self, status: int, error_type: str | None) -> None:
+        """One finished HTTP request: `status` 499 means the client went away."""
+        if status == 499:
+            outcome = "aborted"
+        elif status >= 400 or error_type:  # error_type alone: failed mid-stream
+            outcome = "error"
+        else:
+            outcome = "success"
+        self.requests.labels(outcome=outcome, error_type=error_type or "").inc()
+
+
+class _EngineMetrics(EngineObserver):
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.metrics = metrics
+        self.model = model
+
+    def request_finished(self, *, ttft, tpot, prompt_tokens, completion_tokens, outcome) -> None:
+        m = self.metrics
+        if ttft is not None:
+            m.ttft.labels(self.model).observe(ttft)
+        if tpot is not None:
+            m.tpot.labels(self.model).observe(tpot)
+        m.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        m.generation_tokens.labels(self.model).inc(completion_tokens)
+
+    def preempted(self) -> None:
+        self.metrics.preemptions.labels(self.model).inc()
