@@ -1,0 +1,421 @@
+"""Structured output: an OpenAI `response_format` compiled into an llguidance
+grammar, and the per-sequence matchers that say which tokens may come next.
+
+Engine-side logic only. `compile_response_format` runs while a request is
+validated, before any response byte is sent, so every problem with the
+schema becomes a 400 (`InvalidSchema`) rather than a failure mid-stream. The
+engine then asks `Grammar.matcher()` for one `Matcher` per generated
+sequence and, at every step, masks that sequence's logits row with
+`Matcher.allowed` (or `fill_masks` for several sequences at once), samples,
+and feeds the token back through `Matcher.accept`.
+
+JSON is generated on one line with a space after `,` and `:`
+(`{"a": 1, "b": [1, 2]}`, Python's `json.dumps` layout). JSON allows any
+whitespace there, but free whitespace lets a small model loop on newlines
+until max_tokens; a schema can still choose its own layout through
+llguidance's top-level `"x-guidance"` key.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+from lockgate.errors import InvalidSchema
+
+__all__ = [
+    "Grammar",
+    "Matcher",
+    "MatcherError",
+    "compile_response_format",
+    "fill_masks",
+    "prepare_tokenizer",
+]
+
+_PARAM = "response_format"
+
+# Applied before the schema's own "x-guidance" options, so a schema may
+# override them.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# Error texts without the parser state and the whole grammar appended: the
+# message goes back to the client, which already has its schema.
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+_MAX_LINE = 160
+_MAX_LINES = 8
+
+# tokenizer -> {eos ids -> LLTokenizer}. Building an LLTokenizer walks the
+# whole vocabulary (most of a second for 49k tokens), so it is done once per
+# tokenizer object; weak keys let an unloaded model's tokenizer go.
+_tokenizers: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], llguidance.LLTokenizer]] = (
+    weakref.WeakKeyDictionary()
+)
+_tokenizers_lock = threading.Lock()
+
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+class MatcherError(RuntimeError):
+    """The matcher cannot go on (llguidance hit one of its parser limits).
+
+    Not the client's fault and not a bad schema: the sequence it belongs to
+    has to be failed.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"structured output failed: {reason}")
+        #: llguidance's own account
+        self.reason = reason
+
+
+def prepare_tokenizer(tokenizer, *, eos_token_ids: Sequence[int] | None = None) -> None:
+    """Build and cache llguidance's view of `tokenizer` now.
+
+    Optional: `compile_response_format` builds it on first use, but that
+    costs the first structured request most of a second, which a model
+    loader can pay at start-up instead. Takes the same arguments as
+    `compile_response_format`.
+    """
+    _llg_tokenizer(tokenizer, eos_token_ids)
+
+
+def compile_response_format(
+    response_format: Mapping[str, Any] | None,
+    tokenizer,
+    *,
+    eos_token_ids: Sequence[int] | None = None,
+) -> Grammar | None:
+    """Compile an OpenAI `response_format` into a `Grammar`, or None if unconstrained.
+
+    Accepted forms:
+
+    * absent (None) or `{"type": "text"}`: no constraint, returns None;
+    * `{"type": "json_object"}`: any JSON object;
+    * `{"type": "json_object", "schema": {...}}`: the older form some servers
+      accept, constrained by that schema;
+    * `{"type": "json_schema", "json_schema": {"name": str, "schema": {...},
+      "strict": bool, "description": str}}`, where only `schema` is required.
+
+    `$defs`/`$ref` and recursive schemas work. With `"strict": true` a
+    keyword or string format llguidance does not implement is an error;
+    otherwise (OpenAI's default) it is ignored and reported in
+    `Grammar.warnings`.
+
+    :param response_format: the request's `response_format` value.
+    :param tokenizer: the model's transformers fast tokenizer; its
+        llguidance counterpart is cached per tokenizer object.
+    :param eos_token_ids: the ids that end generation (the engine's list);
+        the grammar allows them exactly when the output may end. Defaults to
+        the tokenizer's EOS.
+    :returns: the compiled grammar, checked by building a matcher from it.
+    :raises InvalidSchema: (400, param "response_format") for a malformed
+        `response_format`, a schema that is not a JSON object, an invalid or
+        unsatisfiable schema, a dangling `$ref`, or anything else llguidance
+        refuses; the message says what is wrong.
+    """
+    schema, strict = _read_response_format(response_format)
+    if schema is None:
+        return None
+    llg_tokenizer = _llg_tokenizer(tokenizer, eos_token_ids)
+    layout = dict(_JSON_LAYOUT, lenient=not strict)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=layout)
+    except (ValueError, TypeError) as exc:
+        raise _invalid(str(exc)) from exc
+    # Building a matcher compiles the schema for real (types, $ref targets,
+    # regexes, satisfiability), which grammar_from_json_schema does not.
+    template = llguidance.LLMatcher(llg_tokenizer, grammar, log_level=0, limits=_LIMITS)
+    if template.is_error():
+        raise _invalid(template.get_error())
+    compiled = Grammar(
+        template,
+        llg_tokenizer.vocab_size,
+        frozenset(llg_tokenizer.eos_tokens),
+        tuple(template.get_grammar_warnings()),
+    )
+    # Some schemas only fail at the first step (a `$ref` cycle that never
+    # reaches a value); take that step now so they fail here, as a 400.
+    try:
+        first = compiled.matcher().allowed(compiled.vocab_size)
+    except MatcherError as exc:
+        raise _invalid(f"the schema admits no JSON value ({exc.reason})") from exc
+    if not first.any():
+        raise _invalid("the schema admits no JSON value")
+    return compiled
+
+
+class Grammar:
+    """A compiled `response_format`: immutable, shared by every choice of a
+    request. Each generated sequence gets its own `matcher()`."""
+
+    __slots__ = ("_eos_token_ids", "_template", "_vocab_size", "_warnings")
+
+    def __init__(
+        self,
+        template: llguidance.LLMatcher,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        warnings: tuple[str, ...],
+    ) -> None:
+        # never advanced: only copied, so it stays at the start of the grammar
+        self._template = template
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self._warnings = warnings
+
+    @property
+    def vocab_size(self) -> int:
+        """How many token ids the grammar knows; higher ids are never allowed."""
+        return self._vocab_size
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What llguidance ignored in a non-strict schema (worth a log line)."""
+        return self._warnings
+
+    def matcher(self) -> Matcher:
+        """A fresh matcher at the start of the grammar, for one sequence."""
+        # a copy shares the compiled grammar, so this costs microseconds
+        return Matcher(self._template.deep_copy(), self._vocab_size, self._eos_token_ids)
+
+
+class Matcher:
+    """Where one generated sequence stands in its grammar.
+
+    Per decode step: `allowed(width)` (or `fill_masks` for a batch), mask
+    the logits, sample, `accept(token)`; stop with finish_reason "stop"
+    once `is_finished`. Not thread-safe: one sequence, one thread.
+    """
+
+    __slots__ = ("_eos_token_ids", "_matcher", "_vocab_size", "_words")
+
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]
+    ) -> None:
+        self._matcher = matcher
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        # llguidance writes one bit per token into 32-bit words; reused each step
+        self._words = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+
+    def allowed(self, width: int) -> np.ndarray:
+        """Which of `width` token ids may come next, as a bool array.
+
+        `width` is the logits row's length, which may exceed the
+        tokenizer's vocabulary (padding): those extra ids are never allowed.
+        An EOS id is allowed exactly when the output may end here.
+
+        :raises MatcherError: the matcher hit an llguidance limit.
+        """
+        mask = np.empty(width, dtype=bool)
+        self.fill_mask(mask)
+        return mask
+
+    def fill_mask(self, mask_row: np.ndarray) -> None:
+        """Like `allowed`, written into an existing bool row (of a batch array)."""
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._words)
+        self._check()
+        _unpack_into(self._words[0], self._vocab_size, mask_row)
+
+    def accept(self, token_id: int) -> None:
+        """Advance past the sampled token.
+
+        :raises ValueError: the token was not allowed here; the matcher is
+            left as it was.
+        """
+        token_id = int(token_id)
+        if self._matcher.is_stopped():
+            # Complete output: llguidance's mask offers EOS, but its
+            # try_consume_tokens refuses it, so check against the EOS ids.
+            allowed = token_id in self._eos_token_ids and not self._matcher.is_error()
+        else:
+            # try_consume_tokens, unlike consume_token, leaves the matcher
+            # usable when it refuses a token
+            allowed = 0 <= token_id < self._vocab_size and (
+                self._matcher.try_consume_tokens([token_id]) == 1
+            )
+        if not allowed:
+            raise ValueError(f"token {token_id} is not allowed by the response_format here")
+
+    @property
+    def is_accepting(self) -> bool:
+        """The output so far is complete: it may end here (EOS is allowed)."""
+        return self._matcher.is_accepting()
+
+    @property
+    def is_finished(self) -> bool:
+        """The output is complete and nothing but EOS can follow: stop now."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher cannot go on, or None."""
+        return self._matcher.get_error() or None
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            raise MatcherError(_first_line(self._matcher.get_error()))
+
+
+def fill_masks(matchers: Sequence[Matcher], masks: np.ndarray) -> None:
+    """Compute the masks of several sequences at once, on llguidance's threads.
+
+    :param matchers: one matcher per row of `masks`.
+    :param masks: a (len(matchers), width) bool array; row i receives
+        `matchers[i].allowed(width)`.
+    :raises MatcherError: one of the matchers hit an llguidance limit.
+    """
+    if masks.ndim != 2 or masks.shape[0] != len(matchers):
+        raise ValueError(f"masks has shape {masks.shape}, expected ({len(matchers)}, width)")
+    if not matchers:
+        return
+    vocab_size = matchers[0]._vocab_size
+    if any(m._vocab_size != vocab_size for m in matchers):
+        raise ValueError("fill_masks needs matchers of one tokenizer")
+    words = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab_size)
+    llguidance.numpy.fill_next_token_bitmask_par(
+        _shared_executor(), [(m._matcher, i) for i, m in enumerate(matchers)], words
+    )
+    for matcher, row_words, row in zip(matchers, words, masks):
+        matcher._check()
+        _unpack_into(row_words, vocab_size, row)
+
+
+def _unpack_into(words: np.ndarray, vocab_size: int, mask_row: np.ndarray) -> None:
+    # Bit j of word k is token 32*k + j. Read as bytes on a little-endian
+    # host, that is numpy's little bit order.
+    known = min(vocab_size, mask_row.shape[0])
+    bits = np.unpackbits(words.view(np.uint8), count=known, bitorder="little")
+    mask_row[:known] = bits.view(bool)
+    mask_row[known:] = False
+
+
+def _read_response_format(response_format) -> tuple[Mapping[str, Any] | None, bool]:
+    """The JSON schema a `response_format` asks for (None: unconstrained) and
+    whether it is strict."""
+    if response_format is None:
+        return None, False
+    if not isinstance(response_format, Mapping):
+        raise InvalidSchema(
+            f"response_format must be an object, got {_json_type(response_format)}", param=_PARAM
+        )
+    kind = response_format.get("type")
+    if kind is None:
+        raise InvalidSchema("response_format.type is required", param=_PARAM)
+    if kind == "text":
+        return None, False
+    if kind == "json_object":
+        schema = response_format.get("schema")
+        if schema is None:
+            return {"type": "object"}, False
+        _require_object(schema, "response_format.schema")
+        return schema, False
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if spec is None:
+            raise InvalidSchema(
+                "response_format.json_schema is required when response_format.type is "
+                "'json_schema'",
+                param=_PARAM,
+            )
+        _require_object(spec, "response_format.json_schema")
+        for field in ("name", "description"):
+            value = spec.get(field)
+            if value is not None and not isinstance(value, str):
+                raise InvalidSchema(
+                    f"response_format.json_schema.{field} must be a string, "
+                    f"got {_json_type(value)}",
+                    param=_PARAM,
+                )
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidSchema(
+                f"response_format.json_schema.strict must be a boolean, got {_json_type(strict)}",
+                param=_PARAM,
+            )
+        schema = spec.get("schema")
+        if schema is None:
+            raise InvalidSchema("response_format.json_schema.schema is required", param=_PARAM)
+        _require_object(schema, "response_format.json_schema.schema")
+        return schema, bool(strict)
+    raise InvalidSchema(
+        "response_format.type must be one of 'text', 'json_object', 'json_schema', "
+        f"got {json.dumps(kind) if isinstance(kind, str) else _json_type(kind)}",
+        param=_PARAM,
+    )
+
+
+def _invalid(reason: str) -> InvalidSchema:
+    # llguidance quotes the offending part of the schema, which may be huge,
+    # on its own line (a regex error puts the reason after the pattern):
+    # shorten long lines rather than cut the end off.
+    lines = [
+        line if len(line) <= _MAX_LINE else line[: _MAX_LINE - 1] + "…"
+        for line in reason.splitlines()
+    ]
+    return InvalidSchema(
+        "invalid JSON schema in response_format: " + "\n".join(lines[:_MAX_LINES]), param=_PARAM
+    )
+
+
+def _first_line(text: str) -> str:
+    # non-verbose llguidance errors still end in a "<non-verbose/>" line
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _require_object(value, where: str) -> None:
+    if not isinstance(value, Mapping):
+        raise InvalidSchema(f"{where} must be a JSON object, got {_json_type(value)}", param=_PARAM)
+
+
+def _json_type(value) -> str:
+    """The JSON name of a decoded value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
+
+
+def _llg_tokenizer(tokenizer, eos_token_ids: Sequence[int] | None) -> llguidance.LLTokenizer:
+    eos = tuple(int(i) for i in eos_token_ids) if eos_token_ids else (tokenizer.eos_token_id,)
+    if None in eos:
+        raise ValueError("the tokenizer has no EOS token; pass eos_token_ids")
+    with _tokenizers_lock:
+        per_tokenizer = _tokenizers.setdefault(tokenizer, {})
+        llg_tokenizer = per_tokenizer.get(eos)
+        if llg_tokenizer is None:
+            # Under the lock on purpose: concurrent first requests wait for
+            # one build instead of each paying for their own.
+            llg_tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer,
+                eos_token=list(eos),
+                slices=llguidance.LLTokenizer.json_slices(),
+            )
+            per_tokenizer[eos] = llg_tokenizer
+    return llg_tokenizer
+
+
+def _shared_executor() -> llguidance.LLExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        return _executor
