@@ -1,0 +1,379 @@
+"""Structured output (lockgate.structured) with real llguidance and real tokenizers.
+
+The central property: whatever a model's logits say, sampling through a
+matcher's mask until it finishes yields text that parses as JSON and
+validates against the schema. It is checked by random walks over the real
+SmolLM2 tokenizer, through the engine's own `sample_token`, with logits wider
+than the vocabulary as a padded model has.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import gguf
+import jsonschema
+import numpy as np
+import pytest
+
+from lockgate import structured
+from lockgate.errors import InvalidSchema
+from lockgate.params import SamplingParams
+from lockgate.sampling import sample_token
+from lockgate.structured import Grammar, compile_response_format, fill_masks
+from lockgate.tokenizer import eos_token_ids, load_tokenizer
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+FAMILY = {
+    "$defs": {"Person": PERSON},
+    "type": "object",
+    "properties": {
+        "surname": {"type": "string", "maxLength": 12},
+        "members": {
+            "type": "array",
+            "items": {"$ref": "#/$defs/Person"},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    },
+    "required": ["surname", "members"],
+    "additionalProperties": False,
+}
+TREE = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["leaf", "branch", "root"]},
+        "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+    },
+    "required": ["label", "children"],
+    "additionalProperties": False,
+}
+ANY_OBJECT = {"type": "object"}
+
+# Logits as wide as a model whose embedding is padded past the vocabulary.
+PADDING = 64
+WALK_CAP = 400
+
+
+def json_schema_format(schema, **extra):
+    return {"type": "json_schema", "json_schema": {"name": "test", "schema": schema, **extra}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def eos_ids(smollm2_reader, tokenizer):
+    return eos_token_ids(smollm2_reader, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def compile_format(tokenizer, eos_ids):
+    def compile_(response_format):
+        return compile_response_format(response_format, tokenizer, eos_token_ids=eos_ids)
+
+    return compile_
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_gguf):
+    reader = gguf.GGUFReader(tiny_gguf)
+    tokenizer = load_tokenizer(reader)
+    return tokenizer, eos_token_ids(reader, tokenizer)
+
+
+def feed(matcher, tokenizer, text):
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        matcher.accept(token)
+
+
+# ------------------------------------------------------------------ accepted forms
+
+
+@pytest.mark.parametrize("response_format", [None, {"type": "text"}])
+def test_unconstrained_formats_compile_to_none(compile_format, response_format):
+    assert compile_format(response_format) is None
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_object"},
+        {"type": "json_object", "schema": FAMILY},
+        json_schema_format(FAMILY),
+        json_schema_format(FAMILY, strict=True),
+        json_schema_format(FAMILY, strict=False, description="a family"),
+        json_schema_format(TREE, strict=True),
+        {"type": "json_schema", "json_schema": {"schema": ANY_OBJECT}},
+    ],
+    ids=[
+        "json_object", "older-form", "json_schema", "strict", "not-strict", "recursive", "no-name"
+    ],
+)
+def test_accepted_formats_compile(compile_format, response_format):
+    grammar = compile_format(response_format)
+    assert isinstance(grammar, Grammar)
+    assert grammar.warnings == ()
+
+
+def test_older_form_is_constrained_by_its_schema(compile_format, tokenizer):
+    grammar = compile_format({"type": "json_object", "schema": {"enum": [{"a": 1}]}})
+    matcher = grammar.matcher()
+    feed(matcher, tokenizer, '{"a": 1}')
+    assert matcher.is_finished
+    with pytest.raises(ValueError):
+        feed(grammar.matcher(), tokenizer, '{"a": 2}')
+
+
+def test_json_object_accepts_any_object_only(compile_format, tokenizer):
+    grammar = compile_format({"type": "json_object"})
+    matcher = grammar.matcher()
+    feed(matcher, tokenizer, '{"a": [1, 2.5, "x", null, true], "b": {"c": {}}}')
+    assert matcher.is_finished
+    with pytest.raises(ValueError):
+        feed(grammar.matcher(), tokenizer, "[1]")
+
+
+def test_grammar_is_shared_and_matchers_are_independent(compile_format, tokenizer):
+    grammar = compile_format(json_schema_format(FAMILY))
+    first, second = grammar.matcher(), grammar.matcher()
+    feed(first, tokenizer, '{"surname": "Doe", "members": [{"name": "Jo", "age": 3}]}')
+    assert first.is_finished
+    assert not second.is_finished
+    feed(second, tokenizer, '{"surname": "Roe", "members": [')
+    assert not second.is_accepting
+
+
+def test_non_strict_schema_ignores_unsupported_keywords(compile_format):
+    schema = {"type": "object", "not": {"required": ["a"]}}
+    grammar = compile_format(json_schema_format(schema, strict=False))
+    assert grammar.warnings and "not" in grammar.warnings[0]
+    with pytest.raises(InvalidSchema, match="not"):
+        compile_format(json_schema_format(schema, strict=True))
+
+
+# ------------------------------------------------------------------ invalid input
+
+
+@pytest.mark.parametrize(
+    "response_format, message",
+    [
+        (json_schema_format({"type": "nonsense"}), "Invalid type: nonsense"),
+        ({"type": "json_object", "schema": {"type": "nonsense"}}, "Invalid type: nonsense"),
+        (json_schema_format({"$ref": "#/$defs/Missing"}), "/$defs/Missing"),
+        (
+            json_schema_format({"type": "object", "properties": {"p": {"$ref": "#/$defs/Nope"}}}),
+            "/$defs/Nope",
+        ),
+        (json_schema_format([{"type": "object"}]), "schema must be a JSON object, got an array"),
+        (json_schema_format("object"), "schema must be a JSON object, got a string"),
+        (json_schema_format(True), "schema must be a JSON object, got a boolean"),
+        ({"type": "json_object", "schema": 3}, "schema must be a JSON object, got a number"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema is required"),
+        ({"type": "json_schema"}, "json_schema is required"),
+        ({"type": "json_schema", "json_schema": "{}"}, "json_schema must be a JSON object"),
+        (json_schema_format(FAMILY, strict="yes"), "strict must be a boolean, got a string"),
+        (json_schema_format(FAMILY, strict=1), "strict must be a boolean, got a number"),
+        (
+            {"type": "json_schema", "json_schema": {"name": 7, "schema": FAMILY}},
+            "name must be a string",
+        ),
+        ({"type": "xml"}, "must be one of 'text', 'json_object', 'json_schema'"),
+        ({}, "response_format.type is required"),
+        ("json_object", "response_format must be an object, got a string"),
+        (json_schema_format({"type": "string", "pattern": "[a-"}), "regex parse error"),
+        (json_schema_format({"type": "string", "minLength": "x"}), "minLength"),
+        (json_schema_format({"enum": []}), "Unsatisfiable"),
+        (json_schema_format({"type": "string", "format": "zipcode"}, strict=True), "zipcode"),
+        (json_schema_format({"type": "string", "pattern": "(?=a)b"}), "look-around"),
+        (json_schema_format({"$ref": "https://example.com/s.json"}), "https://example.com/s.json"),
+        # a $ref cycle that never reaches a value fails at the first step: compile takes it
+        (json_schema_format({"$ref": "#"}), "admits no JSON value"),
+    ],
+)
+def test_invalid_response_format_is_a_400_on_response_format(
+    compile_format, response_format, message
+):
+    with pytest.raises(InvalidSchema) as caught:
+        compile_format(response_format)
+    error = caught.value
+    assert error.param == "response_format"
+    assert error.status == 400
+    assert (error.type, error.code) == ("invalid_request_error", "invalid_schema")
+    assert message in error.message
+    # the client gets the reason, not llguidance's dump of parser state
+    assert "<state>" not in error.message and len(error.message) < 300
+
+
+def test_long_error_is_cut_short(compile_format):
+    schema = {"type": "string", "pattern": "(?=a)" + "b" * 5000}
+    with pytest.raises(InvalidSchema, match="look-around") as caught:
+        compile_format(json_schema_format(schema))
+    assert len(caught.value.message) < 500
+
+
+def test_deeply_nested_schema_is_refused_cleanly(compile_format):
+    schema = {"type": "array"}
+    for _ in range(500):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(InvalidSchema) as caught:
+        compile_format(json_schema_format(schema))
+    assert caught.value.param == "response_format"
+
+
+# ------------------------------------------------------------------ matcher contract
+
+
+def test_mask_padding_eos_and_rejected_tokens(tiny_tokenizer):
+    tokenizer, eos_ids = tiny_tokenizer
+    width = len(tokenizer) + 213
+    grammar = compile_response_format({"type": "json_object"}, tokenizer, eos_token_ids=eos_ids)
+    assert grammar.vocab_size == len(tokenizer)
+    matcher = grammar.matcher()
+
+    mask = matcher.allowed(width)
+    assert mask.dtype == bool and mask.shape == (width,)
+    assert not mask[len(tokenizer):].any()
+    assert [tokenizer.decode([t]) for t in np.flatnonzero(mask)] == ["{"]
+    assert not any(mask[eos] for eos in eos_ids)
+
+    with pytest.raises(ValueError):
+        matcher.accept(eos_ids[0])
+    with pytest.raises(ValueError):
+        matcher.accept(width - 1)
+    # a refused token leaves the matcher where it was
+    feed(matcher, tokenizer, "{")
+    assert not matcher.is_accepting
+    feed(matcher, tokenizer, "}")
+
+    assert matcher.is_accepting and matcher.is_finished and matcher.error is None
+    assert set(np.flatnonzero(matcher.allowed(width))) == set(eos_ids)
+    with pytest.raises(ValueError):
+        feed(matcher, tokenizer, " ")
+    matcher.accept(eos_ids[-1])
+    assert matcher.is_finished
+
+
+def test_eos_is_allowed_exactly_when_the_output_may_end(compile_format, tokenizer, eos_ids):
+    grammar = compile_format(json_schema_format({"type": "integer", "maximum": 500}))
+    matcher = grammar.matcher()
+    width = len(tokenizer)
+    assert not matcher.allowed(width)[eos_ids].any()
+    feed(matcher, tokenizer, "12")
+    mask = matcher.allowed(width)
+    # "12" may end or go on ("120"): both EOS and digits are allowed
+    assert matcher.is_accepting and not matcher.is_finished
+    assert mask[eos_ids].all() and mask[tokenizer.convert_tokens_to_ids("0")]
+    matcher.accept(eos_ids[0])
+    assert matcher.is_finished
+
+
+def test_fill_mask_writes_into_a_batch_row(compile_format, tokenizer):
+    grammar = compile_format(json_schema_format(FAMILY))
+    width = len(tokenizer) + PADDING
+    matchers = [grammar.matcher() for _ in range(3)]
+    feed(matchers[1], tokenizer, '{"surname": "')
+    feed(matchers[2], tokenizer, '{"surname": "Doe", "members": [{"name": "Al", "age": 1')
+    expected = np.stack([m.allowed(width) for m in matchers])
+
+    rows = np.ones((3, width), dtype=bool)
+    for matcher, row in zip(matchers, rows):
+        matcher.fill_mask(row)
+    assert np.array_equal(rows, expected)
+
+    batch = np.ones((3, width), dtype=bool)
+    fill_masks(matchers, batch)
+    assert np.array_equal(batch, expected)
+    assert len({row.tobytes() for row in expected}) == 3
+
+
+def test_llguidance_tokenizer_is_built_once_per_tokenizer(tokenizer, eos_ids):
+    built = structured._llg_tokenizer(tokenizer, eos_ids)
+    assert structured._llg_tokenizer(tokenizer, eos_ids) is built
+    structured.prepare_tokenizer(tokenizer, eos_token_ids=eos_ids)
+    assert structured._llg_tokenizer(tokenizer, eos_ids) is built
+
+
+def test_compile_time(compile_format):
+    compile_format(json_schema_format(FAMILY))  # the tokenizer is cached from here on
+    for name, response_format in [
+        ("family", json_schema_format(FAMILY)),
+        ("tree", json_schema_format(TREE)),
+        ("json_object", {"type": "json_object"}),
+    ]:
+        runs = []
+        for _ in range(5):
+            start = time.perf_counter()
+            compile_format(response_format)
+            runs.append(time.perf_counter() - start)
+        print(f"compile {name}: best {min(runs) * 1e3:.2f} ms, mean {np.mean(runs) * 1e3:.2f} ms")
+
+
+# ------------------------------------------------------------------ random walks
+
+
+@pytest.fixture(scope="module")
+def closing_tokens(tokenizer):
+    """Ids of tokens that can end a string, an object or an array."""
+    width = len(tokenizer) + PADDING
+    closing = np.zeros(width, dtype=bool)
+    for token_id in range(len(tokenizer)):
+        if any(c in tokenizer.decode([token_id]) for c in '"}]'):
+            closing[token_id] = True
+    return closing
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "name, schema",
+    [("family", FAMILY), ("tree", TREE), ("json_object", ANY_OBJECT)],
+)
+def test_random_walk_produces_valid_json(
+    compile_format, tokenizer, eos_ids, closing_tokens, name, schema, seed
+):
+    """Random logits, masked, sampled by the engine's sampler until the grammar
+    completes: the text always parses and validates."""
+    response_format = (
+        {"type": "json_object"} if schema is ANY_OBJECT else json_schema_format(schema, strict=True)
+    )
+    grammar = compile_format(response_format)
+    matcher = grammar.matcher()
+    width = len(tokenizer) + PADDING
+    rng = np.random.default_rng([seed, len(name)])
+    params = SamplingParams(temperature=1.0)
+    output: list[int] = []
+    mask_seconds = 0.0
+    for step in range(WALK_CAP):
+        start = time.perf_counter()
+        mask = matcher.allowed(width)
+        mask_seconds += time.perf_counter() - start
+        assert not mask[len(tokenizer):].any()
+        assert bool(mask[eos_ids].any()) == matcher.is_accepting
+        if matcher.is_accepting:
+            # end as soon as the grammar allows, as a model that closes would
+            matcher.accept(eos_ids[0])
+            break
+        # a pull toward closing that grows, so every walk ends well within the cap
+        logits = rng.standard_normal(width).astype(np.float32) * 2 + closing_tokens * (step / 20)
+        logits[~mask] = -np.inf
+        token = sample_token(logits, params, rng, (), output)
+        assert mask[token]
+        matcher.accept(token)
+        output.append(token)
+    assert matcher.is_finished, f"no end after {WALK_CAP} tokens: {tokenizer.decode(output)!r}"
+
+    text = tokenizer.decode(output)
+    jsonschema.validate(json.loads(text), schema)
+    per_token = mask_seconds / (len(output) + 1)
+    print(f"{name} seed {seed}: {len(output)} tokens, mask {per_token * 1e6:.0f} us/token: {text}")
