@@ -95,7 +95,10 @@ def compile_cache(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def tiny_files(tmp_path_factory) -> dict[str, pathlib.Path]:
     d = tmp_path_factory.mktemp("tiny")
-    files = {t: write_tiny_gguf(d / f"tiny-{t}.gguf", tensor_type=t) for t in ("F32", "Q8_0", "Q4_1")}
+    files = {
+        t: write_tiny_gguf(d / f"tiny-{t}.gguf", tensor_type=t)
+        for t in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+    }
     files["untied"] = write_tiny_gguf(d / "tiny-untied.gguf", tie_word_embeddings=False, seed=3)
     return files
 
@@ -145,7 +148,7 @@ def greedy(executor, seq_id: int, logits: np.ndarray, steps: int) -> list[int]:
 # tests ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_1", "untied"])
+@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "untied"])
 def test_logits_match_numpy_reference(kind, tiny_files, compile_cache):
     path = tiny_files[kind]
     ex = make_executor(path, compile_cache)
@@ -327,3 +330,30 @@ def test_weight_errors_are_model_load_errors(tiny_files):
         load_gguf_weights(reader, config, [("layers.7.input_layernorm.weight", (64,))])
     with pytest.raises(ModelLoadError, match="no GGUF tensor"):
         load_gguf_weights(reader, config, [("bogus.weight", (1,))])
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+def test_tensor_index_and_dequantize_match_gguf(kind, tiny_files):
+    from lockgate.plugins.tvm.weights import GGUFTensors, read_tensor_index
+
+    path = tiny_files[kind]
+    reader = gguf.GGUFReader(path)
+    index = read_tensor_index(path)
+    assert set(index) == {t.name for t in reader.tensors}
+    ours, theirs = GGUFTensors(path), GGUFTensors(reader)
+    for t in reader.tensors:
+        assert index[t.name].shape == tuple(int(d) for d in t.shape)
+        assert index[t.name].tensor_type == t.tensor_type
+        shape = tuple(reversed(index[t.name].shape))
+        expected = _read(reader, t.name).astype(np.float32)
+        np.testing.assert_array_equal(ours._read(t.name, shape), expected)
+        np.testing.assert_array_equal(theirs._read(t.name, shape), expected)
+
+
+def test_not_a_gguf_file_is_a_model_load_error(tmp_path):
+    from lockgate.plugins.tvm.weights import read_tensor_index
+
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a model at all")
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        read_tensor_index(bogus)

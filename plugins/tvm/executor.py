@@ -6,7 +6,6 @@ import math
 import os
 from collections.abc import Sequence
 
-import gguf
 import numpy as np
 
 from lockgate.errors import ModelLoadError
@@ -57,11 +56,9 @@ class TVMExecutor(Executor):
 
         self._progress("loading weights…")
         try:
-            reader = gguf.GGUFReader(model_file.path)
-        except (OSError, ValueError) as exc:
+            arrays = load_gguf_weights(model_file.path, config, self.compiled.params, options.progress)
+        except OSError as exc:
             raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
-        arrays = load_gguf_weights(reader, config, self.compiled.params, options.progress)
-        del reader
         self._params = [tvm.runtime.tensor(a, self.device) for a in arrays]
         del arrays
 

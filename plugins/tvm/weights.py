@@ -9,6 +9,10 @@ permuted back here. Everything is dequantized to float32 for now.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
+import struct
 from collections.abc import Callable, Iterable
 
 import gguf
@@ -18,6 +22,43 @@ from lockgate.errors import ModelLoadError
 from lockgate.model_config import LlamaConfig
 
 _PLAIN_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
+
+
+def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
+    # block: f16 scale, 32 x int8
+    blocks = raw.reshape(-1, 34)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    codes = blocks[:, 2:].view(np.int8).astype(np.float32)
+    return codes * scale
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    # element j is the low nibble of byte j, element j + 16 the high nibble
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+
+
+def _dequantize_q4_0(raw: np.ndarray) -> np.ndarray:
+    # block: f16 scale, 16 bytes of 4-bit codes; value = d * (q - 8)
+    blocks = raw.reshape(-1, 18)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    return (_nibbles(blocks[:, 2:]) - 8.0) * scale
+
+
+def _dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
+    # block: f16 scale, f16 minimum, 16 bytes of 4-bit codes; value = d * q + m
+    blocks = raw.reshape(-1, 20)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    minimum = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return _nibbles(blocks[:, 4:]) * scale + minimum
+
+
+#: whole-tensor numpy dequantizers; gguf's own work a few rows at a time and
+#: take seconds on a 135M-parameter model
+_FAST_DEQUANTIZE = {
+    gguf.GGMLQuantizationType.Q8_0: _dequantize_q8_0,
+    gguf.GGMLQuantizationType.Q4_0: _dequantize_q4_0,
+    gguf.GGMLQuantizationType.Q4_1: _dequantize_q4_1,
+}
 
 
 def undo_rope_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -32,11 +73,105 @@ def undo_rope_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class RawTensor:
+    """One tensor of a GGUF file: ggml shape (innermost first), type, bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: gguf.GGMLQuantizationType
+    data: np.ndarray
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def read_tensor_index(path: str | os.PathLike) -> dict[str, RawTensor]:
+    """The tensors of a GGUF file, memory-mapped, without parsing metadata.
+
+    `gguf.GGUFReader` turns every metadata array (a 49k-entry vocabulary and
+    merge list for SmolLM2) into numpy objects, which takes seconds; the
+    weights need only the tensor table, so the metadata is skipped over.
+    """
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(data)
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def skip_value(value_type: int) -> None:
+        nonlocal pos
+        if value_type == _STRING:
+            length = take("Q")
+            pos += length
+        elif value_type == _ARRAY:
+            item_type, count = take("IQ")
+            if item_type in _SCALAR_SIZES:
+                pos += _SCALAR_SIZES[item_type] * count
+            else:
+                for _ in range(count):
+                    skip_value(item_type)
+        elif value_type in _SCALAR_SIZES:
+            pos += _SCALAR_SIZES[value_type]
+        else:
+            raise ModelLoadError(f"GGUF metadata value of unknown type {value_type}")
+
+    try:
+        if bytes(buf[:4]) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file")
+        pos = 4
+        version = take("I")
+        if version < 2:
+            raise ModelLoadError(f"GGUF version {version} is not supported")
+        tensor_count, kv_count = take("QQ")
+        alignment = 32
+        for _ in range(kv_count):
+            length = take("Q")
+            key = bytes(buf[pos : pos + length]).decode()
+            pos += length
+            value_type = take("I")
+            if key == "general.alignment" and value_type == 4:
+                alignment = take("I")
+            else:
+                skip_value(value_type)
+        infos = []
+        for _ in range(tensor_count):
+            length = take("Q")
+            name = bytes(buf[pos : pos + length]).decode()
+            pos += length
+            n_dims = take("I")
+            shape = tuple(take("Q") for _ in range(n_dims))
+            qtype = gguf.GGMLQuantizationType(take("I"))
+            infos.append((name, shape, qtype, take("Q")))
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"malformed GGUF file {path}: {exc}") from exc
+    start = -(-pos // alignment) * alignment
+    tensors = {}
+    for name, shape, qtype, offset in infos:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = math.prod(shape) // block * block_bytes
+        raw = data[start + offset : start + offset + nbytes]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            raw = raw.view(np.float32)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            raw = raw.view(np.float16)
+        tensors[name] = RawTensor(name, shape, qtype, raw)
+    return tensors
+
+
 class GGUFTensors:
     """Named float32 access to the tensors of one GGUF file."""
 
-    def __init__(self, reader: gguf.GGUFReader) -> None:
-        self._tensors = {t.name: t for t in reader.tensors}
+    def __init__(self, source) -> None:
+        if isinstance(source, gguf.GGUFReader):
+            self._tensors = {t.name: t for t in source.tensors}
+        else:
+            self._tensors = read_tensor_index(source)
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -62,6 +197,8 @@ class GGUFTensors:
         try:
             if qtype in _PLAIN_TYPES:
                 values = np.asarray(tensor.data, dtype=np.float32)
+            elif qtype in _FAST_DEQUANTIZE:
+                values = _FAST_DEQUANTIZE[qtype](np.asarray(tensor.data, dtype=np.uint8))
             else:
                 values = gguf.quants.dequantize(tensor.data, qtype)
         except NotImplementedError as exc:
@@ -99,20 +236,21 @@ def _layer_arrays(t: GGUFTensors, c: LlamaConfig, i: int) -> dict[str, np.ndarra
 
 
 def load_gguf_weights(
-    reader: gguf.GGUFReader,
+    source,
     config: LlamaConfig,
     param_names: Iterable[tuple[str, tuple[int, ...]]],
     progress: Callable[[str], None] | None = None,
 ) -> list[np.ndarray]:
     """The model's parameters as contiguous float32 arrays, in the given order.
 
+    :param source: the GGUF file's path, or a `gguf.GGUFReader` of it.
     :param param_names: (name, shape) of every parameter of
         `model.LlamaForCausalLM`, in its `named_parameters` order; a 3-D shape
         asks for the paneled (out / panel, in, panel) layout.
     :raises ModelLoadError: a tensor is missing, mis-shaped or of a type that
         cannot be dequantized.
     """
-    t = GGUFTensors(reader)
+    t = GGUFTensors(source)
     c = config
     by_name: dict[str, np.ndarray] = {}
     embed = t.matrix("token_embd.weight", c.vocab_size, c.hidden_size)
