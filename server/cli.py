@@ -38,6 +38,10 @@ def serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--prefill-chunk-size", type=int, help=f"tokens per prefill call (default {d.prefill_chunk_size})"
     )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int,
+        help="tokens per engine step, decode plus prefill chunks (default: --prefill-chunk-size)",
+    )
     parser.add_argument("--max-queue", type=int, help=f"waiting requests before 429 (default {d.max_queue})")
     parser.add_argument("--max-n", type=int, help=f"largest n a request may ask (default {d.max_n})")
     parser.add_argument("--num-threads", type=int, help="CPU threads for the executor")

@@ -31,6 +31,8 @@ class Settings:
     max_num_seqs: int = 16
     max_total_tokens: int = 16384
     prefill_chunk_size: int = 512
+    #: tokens one engine step processes (decode + prefill chunks); None: prefill_chunk_size
+    max_num_batched_tokens: int | None = None
     max_queue: int = 256
     max_n: int = 8
     num_threads: int | None = None
@@ -68,7 +70,11 @@ class Settings:
         )
 
     def engine_options(self) -> EngineOptions:
-        return EngineOptions(max_queue=self.max_queue, max_n=self.max_n)
+        return EngineOptions(
+            max_queue=self.max_queue,
+            max_n=self.max_n,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
 
 
 def _parse_keys(raw: str) -> tuple[str, ...]:
