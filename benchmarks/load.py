@@ -411,6 +411,10 @@ def launch_commands(args: argparse.Namespace, slots: int) -> list[tuple[str, lis
     if args.launch_llama_server:
         if not args.gguf:
             raise SystemExit("error: --launch-llama-server needs --gguf PATH")
+        if not os.access(args.launch_llama_server, os.X_OK):
+            raise SystemExit(f"error: {args.launch_llama_server} is not an executable file")
+        if not os.path.isfile(args.gguf):
+            raise SystemExit(f"error: no model file at {args.gguf}")
         port = free_port()
         # llama-server splits -c among its -np slots; each slot must hold the
         # chat template, the prompt (words can split into two tokens, hence
