@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import json
 import os
 import pathlib
@@ -71,16 +70,26 @@ def as_target(target: Target | dict | str) -> Target:
 
 
 class CPUMatmul(ScheduleRule):
-    """Schedule `C[m…, n] (+)= A[m…, k] * B[k, n]` with B stored (in, out).
+    """Schedule `C[m…, n] (+)= A[m…, k] * B[k, n]` on the CPU.
 
-    One reduction block with S…SR iterators is tiled as
-    (n_outer, m_outer, n_mid, k, m_inner, n_inner): threads split the output
-    columns into blocks, and inside a block an `m_inner × n_inner` register
-    tile accumulates over the whole of k, with `n_inner` vectorized along
-    B's contiguous rows and `m_inner` unrolled so each loaded B vector feeds
-    several accumulators. The tile is sized for 16 vector registers (AVX2).
-    Producers are inlined; injective epilogues (residual add, cast) are
-    folded into the write-back of the tile.
+    B is read along n, either a plain (in, out) matrix or the column panels
+    of `model.Linear`. One reduction block with S…SR iterators gets an
+    `m_inner × n_inner` register tile that accumulates over the whole of k,
+    `n_inner` vectorized along B's contiguous rows and `m_inner` unrolled so
+    each loaded B vector feeds several accumulators; threads split the
+    output columns. Producers are inlined; injective epilogues (residual
+    add, cast) fold into the write-back of the tile.
+
+    The rows are tiled three ways:
+
+    * pre-tiled (…, m_outer, m_inner) by the padded compute of
+      `model._row_tiled_panel_matmul`: a 6×16 or 4×16 tile, 12 or 8 of
+      AVX2's 16 vector registers;
+    * static M: the largest of 4/3/2/1 rows that divides it;
+    * symbolic M: one row and a 64-wide tile, rows looped inside each column
+      block so B's panel stays in cache; splitting a symbolic M would mask
+      the last tile, and the mask stops buffer compaction from shrinking the
+      accumulator to registers.
     """
 
     def __init__(
@@ -123,18 +132,10 @@ class CPUMatmul(ScheduleRule):
         epilogues = [b for b in infos if b is not main]
         if any(infos.index(e) < infos.index(main) for e in epilogues):
             return None
-
         n_extent = main.iters[-2].dom
         if not isinstance(n_extent, (int, tirx.IntImm)):
             return None
         n_extent = int(n_extent)
-        m_iters = main.iters[:-2]
-        static_m = all(isinstance(it.dom, (int, tirx.IntImm)) for it in m_iters)
-        row_tile = self._row_tile(m_iters)
-        m_extent = 1
-        if static_m:
-            for it in m_iters:
-                m_extent *= int(it.dom)
 
         block = main.block_rv
         local = sch.cache_write(block, 0, "local")
@@ -144,48 +145,44 @@ class CPUMatmul(ScheduleRule):
             except Exception:  # noqa: BLE001 - an epilogue that cannot fold stays a loop nest
                 pass
 
+        m_iters = main.iters[:-2]
+        m_loops = [it.loop_rv for it in m_iters]
         n_loop, k_loop = main.iters[-2].loop_rv, main.iters[-1].loop_rv
+        row_tile = self._row_tile(m_iters)
+        static_m = all(isinstance(it.dom, (int, tirx.IntImm)) for it in m_iters)
         if row_tile:
-            m_loop = None
-        elif m_iters:
-            m_loop = sch.fuse(*[it.loop_rv for it in m_iters]) if len(m_iters) > 1 else m_iters[0].loop_rv
-        else:
-            m_loop = sch.add_unit_loop(block)
-        if row_tile:
-            # Rows come pre-tiled (m_outer, m_inner) by a padded compute
-            # definition (`model._padded_panel_matmul`), so no mask is needed.
+            m_o = sch.fuse(*m_loops[:-1]) if len(m_loops) > 2 else m_loops[0]
+            m_i = m_loops[-1]
             m_inner = row_tile
-            n_block, n_inner = self._n_tiles(n_extent, self.n_inner)
-        elif static_m:
-            m_inner = next(f for f in (self.m_inner, 4, 3, 2, 1) if f <= self.m_inner and m_extent % f == 0)
-            wide = self.n_inner if m_inner > 1 else self.n_inner_single_row
-            n_block, n_inner = self._n_tiles(n_extent, wide)
         else:
-            # A symbolic M would leave the last row tile masked, and the mask
-            # stops buffer compaction from shrinking the accumulator to a
-            # register tile; one row with a wider vector tile needs no mask.
-            m_inner = 1
-            n_block, n_inner = self._n_tiles(n_extent, self.n_inner_single_row)
-        if row_tile:
-            outer = [it.loop_rv for it in m_iters[:-1]]
-            m_o = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-            m_i = m_iters[-1].loop_rv
-        else:
+            if not m_loops:
+                m_loop = sch.add_unit_loop(block)
+            else:
+                m_loop = sch.fuse(*m_loops) if len(m_loops) > 1 else m_loops[0]
+            m_extent = 1
+            for it in m_iters:
+                m_extent = m_extent * int(it.dom) if static_m else 0
+            if static_m:
+                m_inner = next(f for f in (self.m_inner, 3, 2, 1) if m_extent % f == 0)
+            else:
+                m_inner = 1
             m_o, m_i = sch.split(m_loop, [None, m_inner])
+        n_block, n_inner = self._n_tiles(
+            n_extent, self.n_inner if m_inner > 1 else self.n_inner_single_row
+        )
         n_o, n_mid, n_i = sch.split(n_loop, [None, n_block // n_inner, n_inner])
-        if static_m or row_tile:
+        if row_tile or static_m:
             sch.reorder(n_o, m_o, n_mid, k_loop, m_i, n_i)
             sch.reverse_compute_at(local, n_mid, preserve_unit_loops=True)
         else:
-            # Rows innermost (above k): the K x n_inner panel of B stays in
-            # cache while every row of A streams past it.
             sch.reorder(n_o, n_mid, m_o, k_loop, m_i, n_i)
             sch.reverse_compute_at(local, m_o, preserve_unit_loops=True)
         sch.parallel(n_o)
         sch.unroll(m_i)
         sch.vectorize(n_i)
-        wb_loops = sch.get_loops(local)
-        sch.vectorize(wb_loops[-1])
+        sch.vectorize(sch.get_loops(local)[-1])
+        # Loops are annotated before the init block is split off, so the
+        # init block inherits them; its own inner loop is vectorized too.
         init = sch.decompose_reduction(block, k_loop)
         init_loops = sch.get_loops(init)
         sch.unroll(init_loops[-2])
