@@ -584,21 +584,29 @@ class Engine:
         that request alone.
         """
         rows: list[SamplingRow] = []
-        for choice in choices:
+        sampled: list[_Choice] = []
+        logit_rows: list[int] = []
+        for i, choice in enumerate(choices):
             allowed = None
             if choice.matcher is not None:
                 try:
                     allowed = choice.matcher.allowed(logits.shape[1])
                 except Exception:
                     log.exception("grammar mask failed", request_id=choice.state.work.request_id)
-                    self._fail_request(choice.state, InternalError("structured output failed for this request"), events)
-                    allowed = np.zeros(logits.shape[1], dtype=bool)
+                    self._fail_request(
+                        choice.state, InternalError("structured output failed for this request"), events
+                    )
+                    continue
             rows.append(
                 SamplingRow(choice.state.params, choice.rng, choice.state.prompt_ids, choice.output_ids, allowed)
             )
-        tokens, logprobs = sample_batch(logits, rows)
+            sampled.append(choice)
+            logit_rows.append(i)
+        if not sampled:
+            return
+        tokens, logprobs = sample_batch(logits[logit_rows], rows)
         now = time.monotonic()
-        for choice, token, logprob in zip(choices, tokens, logprobs):
+        for choice, token, logprob in zip(sampled, tokens, logprobs):
             state = choice.state
             if state.done or choice.finished:
                 continue

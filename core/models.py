@@ -110,6 +110,7 @@ def load_model(
     """
     import gguf
 
+    from lockgate.structured import prepare_tokenizer
     from lockgate.tokenizer import eos_token_ids, load_tokenizer
 
     specs = registered_models(pm)
@@ -142,6 +143,9 @@ def load_model(
     tokenizer = load_tokenizer(reader, chat_template=chat_template)
     eos_ids = eos_token_ids(reader, tokenizer)
     del reader
+    # the grammar engine's copy of the vocabulary, built once so the first
+    # structured-output request does not pay for it
+    prepare_tokenizer(tokenizer, eos_token_ids=eos_ids)
     backend = factories[executor](ModelFile(path=path, config=config), executor_options)
     engine = Engine(
         backend,

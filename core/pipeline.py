@@ -9,15 +9,20 @@ sent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 
 import pluggy
+import structlog
 
 from lockgate.engine import RequestHandle
 from lockgate.errors import InternalError
 from lockgate.models import Model
 from lockgate.params import SamplingParams
+from lockgate.structured import compile_response_format
 from lockgate.types import Request, Work
+
+log = structlog.get_logger("lockgate.pipeline")
 
 
 async def run_pipeline(
@@ -40,8 +45,17 @@ def prepare_requests(
     `lockgate_validate_request` runs once per HTTP request (all prompts share
     the body); the other steps run once per prompt.
     """
+    body = requests[0].body
     pm.hook.lockgate_validate_request(request=requests[0], model=model)
-    params = SamplingParams.from_body(requests[0].body)
+    params = SamplingParams.from_body(body)
+    # compiled (and checked) here so a bad schema is a 400 before any byte is sent
+    grammar = compile_response_format(
+        body.get("response_format"), model.tokenizer, eos_token_ids=model.eos_token_ids
+    )
+    if grammar is not None:
+        if grammar.warnings:
+            log.warning("response_format schema features ignored", warnings=list(grammar.warnings))
+        params = dataclasses.replace(params, grammar=grammar)
     handles: list[RequestHandle] = []
     try:
         for request in requests:

@@ -214,3 +214,27 @@ async def test_client_disconnect_frees_pages(load_tiny, make_client):
     task.cancel()
     stats = await wait_idle(model.engine)
     assert stats["requests_running"] == 0 and stats["kv_pages_used"] == 0
+
+
+async def test_grammar_failure_fails_only_its_request(load_tiny, make_client, monkeypatch):
+    import lockgate.structured
+
+    real_allowed = lockgate.structured.Matcher.allowed
+    calls = {"n": 0}
+
+    def allowed(self, width):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise lockgate.structured.MatcherError("injected grammar failure")
+        return real_allowed(self, width)
+
+    monkeypatch.setattr(lockgate.structured.Matcher, "allowed", allowed)
+    model = load_tiny()
+    client = await make_client(model)
+    plain = {**GOOD, "max_tokens": 40, "ignore_eos": True}
+    constrained = {**GOOD, "max_tokens": 40, "response_format": {"type": "json_object"}}
+    good, bad = await asyncio.gather(client.post(CHAT, json=plain), client.post(CHAT, json=constrained))
+    assert bad.status == 500
+    assert good.status == 200 and (await good.json())["usage"]["completion_tokens"] == 40
+    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert model.engine.healthy
