@@ -169,6 +169,22 @@ def test_logits_match_numpy_reference(kind, tiny_files, compile_cache):
         ex.close()
 
 
+def test_long_chunked_prompt_matches_reference(executor, seqs, tiny_files):
+    """Several KV pages, a prefill split across calls (attention over cached
+    pages merged with the new chunk) and decode steps across a page edge."""
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(3, 299, 45).tolist()
+    steps = rng.integers(3, 299, 6).tolist()
+    expected = reference_logits(tiny_files["F32"], prompt + steps)
+    s = seqs()
+    executor.prefill([s], [prompt[:30]])
+    got = [executor.prefill([s], [prompt[30:]])[0]]
+    for token in steps[:-1]:
+        got.append(executor.decode([s], [token])[0])
+    want = expected[len(prompt) - 1 : len(prompt) + len(steps) - 1]
+    np.testing.assert_allclose(np.stack(got), want, atol=2e-3, rtol=1e-3)
+
+
 def test_executor_attributes(executor):
     assert executor.vocab_size == 299
     assert executor.page_size == 16
@@ -269,6 +285,15 @@ def test_caller_mistakes_raise_value_error(executor, seqs):
     reference = seqs()
     want = executor.prefill([reference], [PROMPT])[0]
     np.testing.assert_allclose(executor.prefill([s], [PROMPT])[0], want, atol=1e-5)
+
+
+def test_bad_options_raise_value_error(tiny_files, compile_cache):
+    with pytest.raises(ValueError, match="page_size must be 16"):
+        make_executor(tiny_files["F32"], compile_cache, page_size=32)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        make_executor(tiny_files["F32"], compile_cache, max_num_seqs=0)
+    with pytest.raises(ValueError, match="target"):
+        make_executor(tiny_files["F32"], compile_cache, target="tpu")
 
 
 def test_sequence_length_limit(tiny_files, compile_cache):

@@ -11,6 +11,9 @@ import numpy as np
 from lockgate.errors import ModelLoadError
 from lockgate.executor import Executor, ExecutorOptions, ModelFile
 
+#: the only KV page length TVM 0.27's cache kernels (CPU and GPU) are built for
+KV_PAGE_SIZE = 16
+
 
 def _set_num_threads(num_threads: int | None) -> None:
     """Size TVM's CPU thread pool.
@@ -45,6 +48,11 @@ class TVMExecutor(Executor):
         for name in ("max_num_seqs", "max_total_tokens", "prefill_chunk_size", "page_size"):
             if getattr(options, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(options, name)}")
+        if options.page_size != KV_PAGE_SIZE:
+            raise ValueError(
+                f"page_size must be {KV_PAGE_SIZE}: TVM 0.27 builds its paged KV cache "
+                f"kernels for {KV_PAGE_SIZE}-token pages (got {options.page_size})"
+            )
         _set_num_threads(options.num_threads)
 
         import tvm

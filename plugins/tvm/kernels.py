@@ -1,20 +1,26 @@
-"""A parallel CPU kernel for the KV cache's ragged prefill attention.
+"""Parallel CPU kernels for the KV cache's ragged prefill and paged decode
+attention.
 
-TVM 0.27's `_attention_prefill_ragged_cpu` runs every sequence, query and
-head serially with scalar loops and scores all n² (query, key) pairs. The
-replacement keeps its signature and output contract (attention output plus
-the log-sum-exp in the log2 domain, so the cache's merge kernels still
-combine it with attention over earlier pages) and:
+TVM 0.27's `_attention_prefill_ragged_cpu` and `_attention_decode_cpu` run
+every sequence, query and head serially with scalar loops, and the prefill
+one scores all n² (query, key) pairs. The replacements keep their
+signatures and output contract (attention output plus the log-sum-exp in the
+log2 domain, so the cache's merge kernels still combine partial results)
+and:
 
-* runs (head, query) pairs in parallel, heads outermost so each thread gets
-  whole heads and the causal triangle's work splits evenly;
-* visits only the keys the causal mask lets a query see;
-* keeps an online softmax over blocks of keys, so no score matrix is stored;
-* vectorizes the q·k dot products and the weighted sum of values over the
+* run (head, query) or (sequence, head) pairs in parallel, heads outermost
+  in prefill so each thread gets whole heads and the causal triangle's work
+  splits evenly;
+* visit only the keys the causal mask lets a query see;
+* keep an online softmax over blocks of 16 keys (one KV page), so no score
+  matrix is stored and the running sum is rescaled once per block;
+* vectorize the q·k dot products and the weighted sum of values over the
   head dimension.
 
 Queries and keys arrive with RoPE already applied (the model uses
-`RopeMode.NORMAL`), so the kernel ignores its rotary arguments.
+`RopeMode.NORMAL`), so the kernels ignore their rotary arguments. TVM 0.27
+builds its CPU KV pages 16 tokens long whatever the runtime page size, and
+so do these kernels.
 """
 
 from __future__ import annotations
@@ -135,6 +141,126 @@ def attention_prefill_ragged_cpu(h_kv, h_q, d_qk, d_v, dtype, rope_scaling):
     return batch_prefill_ragged_kv
 
 
+#: KV page length of TVM 0.27's CPU paged kernels (`page_size=16` defaults)
+PAGE_SIZE = 16
+
+
+def attention_decode_cpu(
+    num_kv_heads, num_qo_heads, head_dim, qkv_dtype, sliding_window, rope_scaling, page_size=PAGE_SIZE
+):
+    """Drop-in for `kv_cache._attention_decode_cpu` (same arguments).
+
+    The sliding-window variant, which lockgate's cache never enables, is
+    left to TVM's own kernel.
+    """
+    if sliding_window:
+        return _ORIGINAL["decode"](
+            num_kv_heads, num_qo_heads, head_dim, qkv_dtype, sliding_window, rope_scaling, page_size
+        )
+    h_qo, h_kv, d = num_qo_heads, num_kv_heads, head_dim
+    group_size = h_qo // h_kv
+    assert d % _LANES == 0, "head dimension must be a multiple of 8"
+    chunks = d // _LANES
+
+    @T.prim_func(s_tir=True)
+    def batch_decode_paged_kv(
+        Q_handle: T.handle,
+        pages_handle: T.handle,
+        page_table_indptr_handle: T.handle,
+        page_table_values_handle: T.handle,
+        var_length_info: T.handle,
+        k_rope_pos_offset_handle: T.handle,
+        q_rope_position_handle: T.handle,
+        output_handle: T.handle,
+        lse_handle: T.handle,
+        rotary_mode: T.int32,
+        rope_scale: T.float32,
+        rope_theta: T.float32,
+        sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "global_symbol": "batch_decode_paged_kv_cpu"})
+        B = T.int32()
+        nnz_pages = T.int32()
+        max_num_pages = T.int32()
+        page_indptr_elem_offset = T.int32()
+        page_values_elem_offset = T.int32()
+        k_rope_pos_offset_elem_offset = T.int32()
+        q_rope_position_elem_offset = T.int32()
+        length_info_elem_offset = T.int32()
+
+        Q = T.match_buffer(Q_handle, (B, h_qo, d), qkv_dtype)
+        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), qkv_dtype)
+        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset)
+        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
+        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_pos_offset_elem_offset)
+        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
+        output = T.match_buffer(output_handle, (B, h_qo, d), qkv_dtype)
+        lse = T.match_buffer(lse_handle, (B, h_qo), "float32")
+        last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
+
+        for work in T.parallel(B * h_qo):
+            with T.sblock("attn"):
+                T.reads(Q[:, :, :], pages[:, :, :, :, :], page_table_indptr[:], page_table_values[:], last_page_len[:])
+                T.writes(output[:, :, :], lse[:, :])
+                scores = T.sblock_alloc_buffer((page_size,), "float32", scope="local")
+                acc = T.sblock_alloc_buffer((d,), "float32", scope="local")
+                partial = T.sblock_alloc_buffer((_LANES,), "float32", scope="local")
+                state = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                b: T.let[T.int32] = work // h_qo
+                h: T.let[T.int32] = work % h_qo
+                h_kv_idx: T.let[T.int32] = h // group_size
+                first_page: T.let[T.int32] = page_table_indptr[b]
+                num_pages: T.let[T.int32] = page_table_indptr[b + 1] - first_page
+                scale: T.let[T.float32] = sm_scale * T.float32(_LOG2E)
+                state[0] = T.float32(-5e4)
+                state[1] = T.float32(0)
+                for i in T.vectorized(d):
+                    acc[i] = T.float32(0)
+                for p in T.serial(num_pages):
+                    page_no: T.let[T.int32] = page_table_values[first_page + p]
+                    rows: T.let[T.int32] = T.if_then_else(p == num_pages - 1, last_page_len[b], page_size)
+                    state[2] = state[0]
+                    for j in T.serial(page_size):
+                        if j < rows:
+                            for lane in T.vectorized(_LANES):
+                                partial[lane] = T.float32(0)
+                            for c in T.serial(chunks):
+                                for lane in T.vectorized(_LANES):
+                                    partial[lane] = partial[lane] + T.Cast(
+                                        "float32", Q[b, h, c * _LANES + lane]
+                                    ) * T.Cast("float32", pages[page_no, 0, h_kv_idx, j, c * _LANES + lane])
+                            scores[j] = (
+                                (partial[0] + partial[1]) + (partial[2] + partial[3])
+                                + ((partial[4] + partial[5]) + (partial[6] + partial[7]))
+                            ) * scale
+                            state[2] = T.max(state[2], scores[j])
+                    for i in T.vectorized(d):
+                        acc[i] = acc[i] * T.exp2(state[0] - state[2])
+                    state[1] = state[1] * T.exp2(state[0] - state[2])
+                    state[0] = state[2]
+                    for j in T.serial(page_size):
+                        if j < rows:
+                            scores[j] = T.exp2(scores[j] - state[0])
+                            state[1] = state[1] + scores[j]
+                            for i in T.vectorized(d):
+                                acc[i] = acc[i] + scores[j] * T.Cast(
+                                    "float32", pages[page_no, 1, h_kv_idx, j, i]
+                                )
+                if state[1] > T.float32(0):
+                    for i in T.vectorized(d):
+                        output[b, h, i] = T.Cast(qkv_dtype, acc[i] / state[1])
+                    lse[b, h] = state[0] + T.log2(state[1])
+                else:
+                    for i in T.vectorized(d):
+                        output[b, h, i] = T.Cast(qkv_dtype, T.float32(0))
+                    lse[b, h] = T.float32(-5e4)
+
+    return batch_decode_paged_kv
+
+
+_ORIGINAL: dict = {}
+
+
 @contextlib.contextmanager
 def cpu_attention_kernels():
     """Have `TIRPagedKVCache` build the parallel kernel while in the block.
@@ -144,9 +270,12 @@ def cpu_attention_kernels():
     """
     from tvm.relax.frontend.nn.llm import kv_cache
 
-    original = kv_cache._attention_prefill_ragged_cpu
+    _ORIGINAL.setdefault("prefill_ragged", kv_cache._attention_prefill_ragged_cpu)
+    _ORIGINAL.setdefault("decode", kv_cache._attention_decode_cpu)
     kv_cache._attention_prefill_ragged_cpu = attention_prefill_ragged_cpu
+    kv_cache._attention_decode_cpu = attention_decode_cpu
     try:
         yield
     finally:
-        kv_cache._attention_prefill_ragged_cpu = original
+        kv_cache._attention_prefill_ragged_cpu = _ORIGINAL["prefill_ragged"]
+        kv_cache._attention_decode_cpu = _ORIGINAL["decode"]
