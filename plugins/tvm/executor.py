@@ -60,7 +60,7 @@ class TVMExecutor(Executor):
         from tvm_ffi import Shape
 
         from lockgate.plugins.tvm.compile import compile_model, resolve_target
-        from lockgate.plugins.tvm.weights import load_gguf_weights
+        from lockgate.plugins.tvm.weights import iter_gguf_weights
 
         self._progress = options.progress or (lambda _msg: None)
         self._Shape = Shape
@@ -72,11 +72,12 @@ class TVMExecutor(Executor):
 
         self._progress("loading weights…")
         try:
-            arrays = load_gguf_weights(model_file.path, config, self.compiled.params, options.progress)
+            self._params = [
+                tvm.runtime.tensor(array, self.device)
+                for array in iter_gguf_weights(model_file.path, config, self.compiled.params, options.progress)
+            ]
         except OSError as exc:
             raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
-        self._params = [tvm.runtime.tensor(a, self.device) for a in arrays]
-        del arrays
 
         self._vm = relax.VirtualMachine(tvm.runtime.load_module(str(self.compiled.library)), self.device)
         self._embed = self._vm["embed"]

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import gguf
 import numpy as np
@@ -250,6 +250,17 @@ def load_gguf_weights(
     :raises ModelLoadError: a tensor is missing, mis-shaped or of a type that
         cannot be dequantized.
     """
+    return list(iter_gguf_weights(source, config, param_names, progress))
+
+
+def iter_gguf_weights(
+    source,
+    config: LlamaConfig,
+    param_names: Iterable[tuple[str, tuple[int, ...]]],
+    progress: Callable[[str], None] | None = None,
+) -> Iterator[np.ndarray]:
+    """`load_gguf_weights` one array at a time, so a caller that copies each
+    to a device never holds the whole float32 model twice."""
     t = GGUFTensors(source)
     c = config
     by_name: dict[str, np.ndarray] = {}
@@ -260,7 +271,6 @@ def load_gguf_weights(
         by_name["embed_tokens"] = embed
         by_name["lm_head.weight"] = t.matrix("output.weight", c.vocab_size, c.hidden_size).T
     by_name["norm.weight"] = t.vector("output_norm.weight", c.hidden_size)
-    out: list[np.ndarray] = []
     layers_done = -1
     for name, shape in param_names:
         if name.startswith("layers."):
@@ -279,5 +289,4 @@ def load_gguf_weights(
             raise ModelLoadError(
                 f"parameter {name!r} has shape {list(array.shape)}, the model expects {list(shape)}"
             )
-        out.append(np.ascontiguousarray(array, dtype=np.float32))
-    return out
+        yield np.ascontiguousarray(array, dtype=np.float32)
