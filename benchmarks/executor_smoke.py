@@ -1,7 +1,8 @@
 """Smoke benchmark of the TVM executor on the default model.
 
 Prints the start time (compile or cache hit), prefill throughput for a
-256-token prompt, decode throughput at batch 1 and 4, and peak RSS.
+256-token prompt, decode throughput at batch 1 and 4 (and at batch 1 after a
+1024-token context), and peak RSS.
 
     python benchmarks/executor_smoke.py [--threads N] [--cache-dir DIR]
 """
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--model", type=pathlib.Path, default=None)
     parser.add_argument("--decode-steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long-context", type=int, default=1024)
     args = parser.parse_args()
 
     from lockgate.plugins.tvm.executor import create_executor
@@ -48,7 +50,7 @@ def main() -> None:
     config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
     options = ExecutorOptions(
         max_num_seqs=4,
-        max_total_tokens=4096,
+        max_total_tokens=8192,
         prefill_chunk_size=256,
         cache_dir=args.cache_dir,
         num_threads=args.threads,
@@ -89,6 +91,20 @@ def main() -> None:
         )
         for i in ids:
             ex.remove_sequence(i)
+    context = min(args.long_context, ex.max_sequence_length - args.decode_steps - 8)
+    ex.add_sequence(200)
+    filled = 0
+    while filled < context:
+        n = min(ex.prefill_chunk_size, context - filled)
+        logits = ex.prefill([200], [rng.integers(100, config.vocab_size, n).tolist()])
+        filled += n
+    token = int(logits[0].argmax())
+    t = time.perf_counter()
+    for _ in range(args.decode_steps):
+        token = int(ex.decode([200], [token])[0].argmax())
+    elapsed = time.perf_counter() - t
+    print(f"decode batch 1 at context {context}: {args.decode_steps / elapsed:.1f} tok/s")
+    ex.remove_sequence(200)
     print(f"peak RSS: {peak_rss_mib():.0f} MiB")
     ex.close()
 
