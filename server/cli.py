@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -58,19 +60,41 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully.
+
+    In-flight requests get `settings.shutdown_grace` seconds to finish; a
+    second signal while shutting down is ignored rather than cutting the
+    clean-up short (systemd and container runtimes follow up with SIGKILL
+    if they lose patience).
+    """
     from lockgate.logging import configure_logging
-    from lockgate.server.app import create_app
 
     configure_logging(settings.log_format, settings.log_level)
-    web.run_app(
+    asyncio.run(_serve(settings))
+
+
+async def _serve(settings: Settings) -> None:
+    from lockgate.server.app import create_app
+
+    loop = asyncio.get_running_loop()
+    runner = web.AppRunner(
         create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        shutdown_timeout=settings.shutdown_grace,
         handler_cancellation=True,
         access_log=None,
-        print=lambda message: print(message, file=sys.stderr, flush=True),
+        shutdown_timeout=settings.shutdown_grace,
     )
+    await runner.setup()  # loads (and on first use compiles) the model
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        print(f"lockgate serving on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+        print("lockgate shutting down", file=sys.stderr, flush=True)
+    finally:
+        await runner.cleanup()
 
 
 def list_plugins(as_json: bool) -> None:

@@ -200,7 +200,12 @@ async def test_metrics_track_requests_and_return_to_zero(load_tiny, make_client)
     long = {**GOOD, "max_tokens": 300, "ignore_eos": True, "stream": True}
     streaming = await client.post(CHAT, json=long, headers=auth)
     await streaming.content.readline()
-    text = await (await client.get("/metrics")).text()  # open, like /health
+    for _ in range(200):  # the first line is sent before the engine admits the request
+        text = await (await client.get("/metrics")).text()  # open, like /health
+        running = 'lockgate_requests_running{model="tiny"} 1.0' in text
+        if running and 'lockgate_kv_pages_used{model="tiny"} 0.0' not in text:
+            break
+        await asyncio.sleep(0.02)
     assert 'lockgate_requests_running{model="tiny"} 1.0' in text
     assert 'lockgate_kv_pages_used{model="tiny"} 0.0' not in text
     streaming.close()  # the client goes away mid-stream

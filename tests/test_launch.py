@@ -118,3 +118,30 @@ def test_serve_reports_a_bad_model_clearly(tmp_path):
     assert result.returncode == 2
     assert "neither a registered model" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_sigterm_lets_in_flight_requests_finish(tiny_gguf):
+    import http.client
+
+    port = free_port()
+    process = start(
+        [sys.executable, "-m", "lockgate.server.cli", "serve", "--model", str(tiny_gguf),
+         "--served-model-name", "tiny", "--port", str(port), "--shutdown-grace", "30"]
+    )
+    try:
+        wait_healthy(process, port)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = {"model": "tiny", "prompt": "the", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        first = response.readline()
+        assert first.startswith(b"data: ")
+        process.send_signal(signal.SIGTERM)
+        rest = response.read().decode()
+        events = [line[len("data: "):] for line in rest.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    finally:
+        code, err = stop(process)
+    assert code == 0, err

@@ -56,7 +56,8 @@ async def test_flood_beyond_the_queue_gets_429_and_no_5xx(load_tiny, make_openai
     results = await asyncio.gather(*(one(i) for i in range(30)))
     assert "429" in results
     admitted = [r for r in results if r != "429"]
-    assert len(admitted) >= 6 and all(r == 32 for r in admitted)
+    # at least the queue's worth was admitted, and every admitted request completed
+    assert len(admitted) >= 4 and all(r == 32 for r in admitted)
     assert (await wait_idle(model.engine))["kv_pages_used"] == 0
 
 
