@@ -217,6 +217,27 @@ def test_ragged_prefill_and_batched_decode_equal_single(executor, seqs):
     assert outs == [tokens for _, tokens in alone]
 
 
+def test_mixed_prefill_with_history_equals_single(executor, seqs):
+    """One prefill call carrying a continuation of a cached sequence, a
+    forked child's continuation and a fresh prompt."""
+    history, tail, fresh = PROMPT + [40] * 20, [5, 6, 7], [1, 80, 81]
+    alone = []
+    for prompt in (history + tail, history + [9, 9], fresh):
+        s = seqs()
+        alone.append(executor.prefill([s], [prompt])[0])
+
+    cached, fresh_id = seqs(), seqs()
+    executor.prefill([cached], [history])
+    child = 4040
+    executor.fork_sequence(cached, child)
+    try:
+        logits = executor.prefill([cached, child, fresh_id], [tail, [9, 9], fresh])
+    finally:
+        executor.remove_sequence(child)
+    for got, want in zip(logits, alone):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_chunked_prefill_equals_one_shot(executor, seqs):
     whole, split = seqs(), seqs()
     one_shot = executor.prefill([whole], [PROMPT])[0]
