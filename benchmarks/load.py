@@ -418,8 +418,10 @@ def launch_commands(args: argparse.Namespace, slots: int) -> list[tuple[str, lis
         port = free_port()
         # llama-server splits -c among its -np slots; each slot must hold the
         # chat template, the prompt (words can split into two tokens, hence
-        # the 1.5) and the generated tokens.
+        # the 1.5) and the generated tokens. A multiple of 256 per slot keeps
+        # llama.cpp from rounding the context it was given.
         per_slot = int(args.prompt_tokens * 1.5) + args.max_tokens + 128
+        per_slot = -(-per_slot // 256) * 256
         ctx = args.llama_ctx or slots * per_slot
         command = [args.launch_llama_server, "-m", args.gguf, "-np", str(slots), "-c", str(ctx),
                    "--threads", str(cores), "--host", "127.0.0.1", "--port", str(port)]
