@@ -335,6 +335,25 @@ def test_sequence_length_limit(tiny_files, compile_cache):
     ex.close()
 
 
+def test_full_cache_refuses_work_and_stays_usable(tiny_files, compile_cache):
+    ex = make_executor(tiny_files["F32"], compile_cache, max_total_tokens=48)
+    try:
+        ex.add_sequence(0)
+        ex.prefill([0], [list(range(3, 3 + 16 * ex.total_pages - 8))])
+        assert ex.free_pages() == 0
+        with pytest.raises(ValueError, match="no free KV page"):
+            ex.fork_sequence(0, 1)
+        ex.add_sequence(2)
+        with pytest.raises(ValueError, match="KV pages needed"):
+            ex.prefill([2], [[5, 6]])
+        ex.decode([0], [7])
+        ex.remove_sequence(0)
+        assert ex.free_pages() == ex.total_pages
+        ex.prefill([2], [[5, 6]])
+    finally:
+        ex.close()
+
+
 def test_second_start_reuses_compiled_library(tiny_files, tmp_path):
     messages: list[str] = []
     first = make_executor(tiny_files["F32"], tmp_path, progress=messages.append)

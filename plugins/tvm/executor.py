@@ -133,6 +133,10 @@ class TVMExecutor(Executor):
             raise ValueError(f"sequence {child_id} already exists")
         if self._lengths[parent_id] == 0:
             raise ValueError(f"cannot fork sequence {parent_id}: it holds no tokens yet")
+        # The child shares the full pages and gets its own copy of a partly
+        # filled last page.
+        if self._lengths[parent_id] % self.page_size and self.free_pages() < 1:
+            raise ValueError(f"cannot fork sequence {parent_id}: no free KV page for its last page")
         self._fork_seq(self._kv, parent_id, child_id, -1)
         self._lengths[child_id] = self._lengths[parent_id]
 
