@@ -664,7 +664,7 @@ class Engine:
             ttft=ttft, tpot=tpot, prompt_tokens=len(state.prompt_ids),
             completion_tokens=completion_tokens, outcome="success",
         )
-        log.info(
+        log.debug(
             "request finished",
             request_id=state.work.request_id,
             prompt_tokens=len(state.prompt_ids),

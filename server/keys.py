@@ -19,3 +19,5 @@ REQUEST_ID = "lockgate_request_id"
 PIPELINE_REQUEST = "lockgate_pipeline_request"
 #: per-request: the `type` of the error it was answered with, if any
 ERROR_TYPE = "lockgate_error_type"
+#: per-request: token counts (`lockgate.engine.Usage`) for the summary line
+USAGE = "lockgate_usage"

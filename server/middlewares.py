@@ -32,6 +32,7 @@ from lockgate.server.keys import (
     PLUGIN_MANAGER,
     REQUEST_ID,
     SETTINGS,
+    USAGE,
 )
 
 log = structlog.get_logger("lockgate.server")
@@ -65,12 +66,15 @@ async def request_id_middleware(request: web.Request, handler):
     finally:
         if request.path.startswith("/v1/"):
             request.app[METRICS].count_request(status, request.get(ERROR_TYPE))
+        usage = request.get(USAGE)
         log.info(
             "request",
             method=request.method,
             path=request.path,
             status=status,
             duration_ms=round((time.monotonic() - started) * 1000, 1),
+            **({} if usage is None else usage.as_dict()),
+            **({"error_type": request[ERROR_TYPE]} if ERROR_TYPE in request else {}),
         )
         structlog.contextvars.unbind_contextvars("request_id")
 

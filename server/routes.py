@@ -16,7 +16,7 @@ from lockgate.engine import RequestHandle, Usage
 from lockgate.errors import InvalidRequestError, ModelNotFound, Unavailable
 from lockgate.pipeline import run_pipeline
 from lockgate.types import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, Request
-from lockgate.server.keys import METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID
+from lockgate.server.keys import METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, USAGE
 from lockgate.server.middlewares import error_response
 from lockgate.server.responses import ResponseBuilder
 
@@ -136,6 +136,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             return await _stream(request, body, handles, builder)
         return await _collect(request, handles, builder)
     finally:
+        request[USAGE] = _usage(handles)
         for handle in handles:
             handle.abort()
 

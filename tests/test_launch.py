@@ -78,6 +78,7 @@ def test_lockgate_serve(tiny_gguf):
     lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     summaries = [line for line in lines if line.get("event") == "request" and line["path"] == "/v1/chat/completions"]
     assert summaries and summaries[0]["status"] == 200 and summaries[0]["request_id"]
+    assert summaries[0]["completion_tokens"] >= 1 and summaries[0]["prompt_tokens"] > 0
     assert any("compil" in line["event"] or "loading" in line["event"] for line in lines)
 
 
