@@ -280,7 +280,10 @@ async def run_level(
             body = request_body(args, server.model, prompt)
             results[index] = await stream_one(session, url, body, args.timeout)
 
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    # A fresh connection per request: llama-server closes its end after each
+    # streamed response, and reusing such a pooled connection fails with
+    # "Can not write request body". On loopback a connect costs microseconds.
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
     async with aiohttp.ClientSession(connector=connector, headers=headers(args.api_key)) as session:
         started = time.perf_counter()
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
