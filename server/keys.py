@@ -5,9 +5,11 @@ from __future__ import annotations
 import pluggy
 from aiohttp import web
 
+from lockgate.engine import Usage
 from lockgate.metrics import Metrics
 from lockgate.models import ServedModels
 from lockgate.server.config import Settings
+from lockgate.types import Request
 
 PLUGIN_MANAGER = web.AppKey("plugin_manager", pluggy.PluginManager)
 SETTINGS = web.AppKey("settings", Settings)
@@ -15,9 +17,9 @@ MODELS = web.AppKey("models", ServedModels)
 METRICS = web.AppKey("metrics", Metrics)
 
 #: per-request: the id and the pipeline's `lockgate.types.Request`
-REQUEST_ID = "lockgate_request_id"
-PIPELINE_REQUEST = "lockgate_pipeline_request"
+REQUEST_ID = web.RequestKey("lockgate_request_id", str)
+PIPELINE_REQUEST = web.RequestKey("lockgate_pipeline_request", Request)
 #: per-request: the `type` of the error it was answered with, if any
-ERROR_TYPE = "lockgate_error_type"
-#: per-request: token counts (`lockgate.engine.Usage`) for the summary line
-USAGE = "lockgate_usage"
+ERROR_TYPE = web.RequestKey("lockgate_error_type", str)
+#: per-request: token counts for the summary line
+USAGE = web.RequestKey("lockgate_usage", Usage)
