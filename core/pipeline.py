@@ -34,7 +34,19 @@ async def run_pipeline(
     enqueued are aborted and the exception propagates.
     """
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, prepare_requests, pm, list(requests), model)
+    future = loop.run_in_executor(None, prepare_requests, pm, list(requests), model)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        # the client left while the pipeline ran: whatever it enqueues is aborted
+        future.add_done_callback(_abort_enqueued)
+        raise
+
+
+def _abort_enqueued(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        for handle in future.result():
+            handle.abort()
 
 
 def prepare_requests(

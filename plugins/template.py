@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jinja2
 
-from lockgate.errors import InvalidMessages
+from lockgate.errors import InvalidMessages, InvalidRequestError
 from lockgate.hookspecs import hookimpl
 
 
@@ -19,6 +19,12 @@ def message_text(content) -> str:
 def lockgate_render_prompt(request, model):
     if not request.is_chat:
         return request.prompt
+    if not model.tokenizer.chat_template:
+        raise InvalidRequestError(
+            f"model {model.name} has no chat template: use /v1/completions, or start the "
+            "server with --chat-template FILE",
+            param="messages",
+        )
     messages = []
     for message in request.body["messages"]:
         rendered = dict(message)

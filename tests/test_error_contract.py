@@ -223,3 +223,11 @@ async def test_metrics_track_requests_and_return_to_zero(load_tiny, make_client)
     # the finished request's 2 tokens and what the aborted one generated
     generated = float(re.search(r'lockgate_generation_tokens_total\{model="tiny"\} (\S+)', text)[1])
     assert generated >= 3
+
+
+async def test_model_without_chat_template_refuses_chat_clearly(load_tiny, make_client):
+    client = await make_client(load_tiny(chat_template=""))
+    error = await assert_error(await client.post(CHAT, json=GOOD), 400, "invalid_request_error", param="messages")
+    assert "no chat template" in error["message"]
+    completion = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert completion.status == 200

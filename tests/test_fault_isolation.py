@@ -238,3 +238,33 @@ async def test_grammar_failure_fails_only_its_request(load_tiny, make_client, mo
     assert good.status == 200 and (await good.json())["usage"]["completion_tokens"] == 40
     assert (await wait_idle(model.engine))["kv_pages_used"] == 0
     assert model.engine.healthy
+
+
+async def test_client_gone_during_the_pipeline_leaves_nothing_running(load_tiny, make_client):
+    import threading
+
+    gate = threading.Event()
+
+    class SlowTemplate:
+        @hookimpl(tryfirst=True)
+        def lockgate_render_prompt(self, request):
+            gate.wait(10)  # the client gives up while this runs
+
+    import time
+
+    def slow_decode(kind, token_ids):
+        time.sleep(0.01 if kind == "decode" else 0)  # 400 tokens take seconds
+        return False
+
+    model = with_faulty_executor(load_tiny(), slow_decode)
+    client = await make_client(model, plugins=[SlowTemplate()])
+    body = {**GOOD, "max_tokens": 400, "ignore_eos": True}
+    task = asyncio.ensure_future(client.post(CHAT, json=body))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    await asyncio.sleep(0.3)
+    gate.set()  # the pipeline now enqueues the request of a client that has left
+    await asyncio.sleep(0.5)
+    stats = model.engine.stats()
+    assert stats["requests_running"] == 0 and stats["requests_waiting"] == 0
+    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
