@@ -27,10 +27,6 @@ from tvm.target import Target
 
 from lockgate.model_config import LlamaConfig
 
-#: name of the weight dtype baked into the library
-WEIGHT_DTYPE = "float32"
-
-
 def default_cache_dir() -> pathlib.Path:
     """`$LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate`."""
     env = os.environ.get("LOCKGATE_CACHE_DIR")
@@ -315,16 +311,17 @@ def cuda_pipeline() -> tvm.transform.Pass:
 _SOURCE_FILES = ("model.py", "compile.py", "kernels.py")
 
 
-def cache_key(config: LlamaConfig, target: Target) -> str:
+def cache_key(config: LlamaConfig, target: Target, formats: dict[str, str] | None = None) -> str:
     """Hash of everything the compiled library depends on.
 
     Batch, page and chunk sizes are symbolic in the library, so they are not
-    part of the key.
+    part of the key; the weight formats are, since each format compiles to
+    its own dequantizing matmul.
     """
     here = pathlib.Path(__file__).parent
     h = hashlib.sha256()
     h.update(json.dumps(config.as_dict(), sort_keys=True).encode())
-    h.update(WEIGHT_DTYPE.encode())
+    h.update(json.dumps(formats or {}, sort_keys=True).encode())
     h.update(str(target).encode())
     h.update(tvm.__version__.encode())
     for name in _SOURCE_FILES:
@@ -345,6 +342,8 @@ class CompiledModel:
     target: Target
     #: True when the library came from the cache rather than a fresh compile
     cached: bool
+    #: storage format of each linear module's weight (`weights.linear_formats`)
+    formats: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _write_atomically(path: pathlib.Path, write: Callable[[str], None], suffix: str) -> None:
@@ -359,11 +358,11 @@ def _write_atomically(path: pathlib.Path, write: Callable[[str], None], suffix: 
         raise
 
 
-def build_module(config: LlamaConfig, target: Target):
+def build_module(config: LlamaConfig, target: Target, formats: dict[str, str] | None = None):
     """Export the model and compile it: (relax Executable, named params)."""
     from lockgate.plugins.tvm.model import LlamaForCausalLM
 
-    model = LlamaForCausalLM(config, target)
+    model = LlamaForCausalLM(config, target, formats)
     if target.kind.name == "llvm":
         from lockgate.plugins.tvm.kernels import cpu_attention_kernels
 
@@ -383,8 +382,10 @@ def compile_model(
     target: Target,
     cache_dir: pathlib.Path | None = None,
     progress: Callable[[str], None] | None = None,
+    formats: dict[str, str] | None = None,
 ) -> CompiledModel:
-    """The compiled library for (config, target), from the cache or built now.
+    """The compiled library for (config, target, formats), from the cache or
+    built now. Formats apply on the CPU only: CUDA keeps float32 weights.
 
     The library and its manifest are each written to a temporary file and
     renamed into place, so concurrent starts never read half a file; the
@@ -392,22 +393,23 @@ def compile_model(
     """
     cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    key = cache_key(config, target)
+    formats = dict(formats or {}) if target.kind.name == "llvm" else {}
+    key = cache_key(config, target, formats)
     library = cache_dir / f"lockgate-{key}.so"
     manifest = cache_dir / f"lockgate-{key}.json"
     if library.exists() and manifest.exists():
         try:
             params = [(n, tuple(s)) for n, s in json.loads(manifest.read_text())["params"]]
-            return CompiledModel(library, params, target, cached=True)
+            return CompiledModel(library, params, target, cached=True, formats=formats)
         except (ValueError, KeyError, TypeError):
             pass
     if progress is not None:
         progress(f"compiling for {target.kind.name}…")
     started = time.monotonic()
-    executable, params = build_module(config, target)
+    executable, params = build_module(config, target, formats)
     _write_atomically(library, lambda tmp: executable.export_library(tmp), ".so")
     body = json.dumps({"params": params, "target": str(target), "tvm": tvm.__version__})
     _write_atomically(manifest, lambda tmp: pathlib.Path(tmp).write_text(body), ".json")
     if progress is not None:
         progress(f"compiled for {target.kind.name} in {time.monotonic() - started:.1f} s")
-    return CompiledModel(library, params, target, cached=False)
+    return CompiledModel(library, params, target, cached=False, formats=formats)

@@ -60,21 +60,27 @@ class TVMExecutor(Executor):
         from tvm_ffi import Shape
 
         from lockgate.plugins.tvm.compile import compile_model, resolve_target
-        from lockgate.plugins.tvm.weights import iter_gguf_weights
+        from lockgate.plugins.tvm.weights import iter_gguf_weights, linear_formats
 
         self._progress = options.progress or (lambda _msg: None)
         self._Shape = Shape
         config = model_file.config
         self.config = config
         target = resolve_target(options.target)
-        self.compiled = compile_model(config, target, options.cache_dir, options.progress)
+        try:
+            formats = linear_formats(model_file.path, config) if target.kind.name == "llvm" else {}
+        except OSError as exc:
+            raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
+        self.compiled = compile_model(config, target, options.cache_dir, options.progress, formats)
         self.device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
 
         self._progress("loading weights…")
         try:
             self._params = [
                 tvm.runtime.tensor(array, self.device)
-                for array in iter_gguf_weights(model_file.path, config, self.compiled.params, options.progress)
+                for array in iter_gguf_weights(
+                    model_file.path, config, self.compiled.params, options.progress, self.compiled.formats
+                )
             ]
         except OSError as exc:
             raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc

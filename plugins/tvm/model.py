@@ -20,7 +20,7 @@ would stop TVM from keeping the accumulators in registers.
 from __future__ import annotations
 
 from tvm import relax as rx
-from tvm import te
+from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
@@ -28,8 +28,12 @@ from tvm.target import Target
 
 from lockgate.model_config import LlamaConfig
 
-#: the activation and KV cache dtype; weights are float32 too for now
+#: the activation dtype (and the KV cache's on CUDA)
 DTYPE = "float32"
+
+#: the KV cache dtype on the CPU: half the memory of float32, and the
+#: attention kernels accumulate in float32 whatever they read
+CPU_KV_DTYPE = "float16"
 
 #: rows per matmul tile in prefill and in decode of more than one sequence;
 #: a single sequence's decode and the prefill LM head use untiled rows
@@ -46,25 +50,48 @@ def panel_width(out_features: int) -> int:
     return out_features
 
 
-def _panel_matmul(x: te.Tensor, w: te.Tensor) -> te.Tensor:
+def _weight_value(fmt: str, ws: list[te.Tensor], p, k, j):
+    """Element (k, n) of a paneled weight, n = p·width + j, as float32.
+
+    Quantized weights are dequantized right here, so the matmul that reads
+    this expression multiplies by values it never stores: a 4-bit code is
+    bits 4·(k % 8) of word k // 8, scaled by its group of 32's scale (and
+    offset by its minimum for Q4_1, centred on 8 for Q4_0).
+    """
+    if fmt in ("f32", "f16"):
+        return ws[0][p, k, j].astype("float32")
+    group = k // 32
+    if fmt == "q8_0":
+        return ws[0][p, k, j].astype("float32") * ws[1][p, group, j]
+    shift = (k % 8 * 4).astype("uint32")
+    code = ((ws[0][p, k // 8, j] >> shift) & tirx.const(15, "uint32")).astype("float32")
+    if fmt == "q4_0":
+        return (code - tirx.const(8, "float32")) * ws[1][p, group, j]
+    return code * ws[1][p, group, j] + ws[2][p, group, j]
+
+
+def _panel_matmul(fmt: str, x: te.Tensor, *ws: te.Tensor) -> te.Tensor:
     *lead, k_extent = x.shape
-    panels, _, width = w.shape
+    panels, _, width = ws[0].shape
     k = te.reduce_axis((0, k_extent), name="k")
     return te.compute(
         (*lead, panels * width),
-        lambda *i: te.sum(x[(*i[:-1], k)] * w[i[-1] // width, k, i[-1] % width], axis=k),
+        lambda *i: te.sum(
+            x[(*i[:-1], k)] * _weight_value(fmt, ws, i[-1] // width, k, i[-1] % width), axis=k
+        ),
         name="matmul",
     )
 
 
-def _row_tiled_panel_matmul(x: te.Tensor, w: te.Tensor, tile: int) -> te.Tensor:
+def _row_tiled_panel_matmul(fmt: str, tile: int, x: te.Tensor, *ws: te.Tensor) -> te.Tensor:
     rows, k_extent = x.shape
-    panels, _, width = w.shape
+    panels, _, width = ws[0].shape
     k = te.reduce_axis((0, k_extent), name="k")
     return te.compute(
         ((rows + tile - 1) // tile, tile, panels * width),
         lambda mo, mi, n: te.sum(
-            x[te.min(mo * tile + mi, rows - 1), k] * w[n // width, k, n % width], axis=k
+            x[te.min(mo * tile + mi, rows - 1), k] * _weight_value(fmt, ws, n // width, k, n % width),
+            axis=k,
         ),
         name="matmul",
     )
@@ -79,37 +106,67 @@ def _drop_row_padding(padded: te.Tensor, x: te.Tensor) -> te.Tensor:
     )
 
 
-def _panel_columns(w: te.Tensor, ids: te.Tensor) -> te.Tensor:
-    _, k_extent, width = w.shape
+def _panel_columns(fmt: str, k_extent: int, ids: te.Tensor, *ws: te.Tensor) -> te.Tensor:
+    width = ws[0].shape[2]
     return te.compute(
         (ids.shape[0], k_extent),
-        lambda t, k: w[ids[t] // width, k, ids[t] % width],
+        lambda t, k: _weight_value(fmt, ws, ids[t] // width, k, ids[t] % width),
         name="take_columns",
     )
 
 
 class Linear(nn.Module):
     """y = x @ W, W stored (in, out) or, when `paneled`, as column panels
-    (out / panel, in, panel)."""
+    (out / panel, in, panel).
 
-    def __init__(self, in_features: int, out_features: int, paneled: bool) -> None:
+    Paneled weights come in the formats of `weights.linear_formats`: a
+    float32 or float16 `weight`, or quantized `codes` with per-32 `scales`
+    (and `mins` for Q4_1), whose rows are the input features in groups of 8
+    (4-bit codes packed in a uint32), 1 (Q8_0's int8) or 32 (scales).
+    """
+
+    def __init__(self, in_features: int, out_features: int, paneled: bool, fmt: str = "f32") -> None:
         self.paneled = paneled
-        if paneled:
-            width = panel_width(out_features)
-            shape = (out_features // width, in_features, width)
+        self.fmt = fmt if paneled else "f32"
+        self.in_features = in_features
+        if not paneled:
+            self.weight = nn.Parameter((in_features, out_features), DTYPE)
+            return
+        width = panel_width(out_features)
+        panels = out_features // width
+        if self.fmt in ("f32", "f16"):
+            dtype = "float16" if self.fmt == "f16" else "float32"
+            self.weight = nn.Parameter((panels, in_features, width), dtype)
+        elif self.fmt == "q8_0":
+            self.codes = nn.Parameter((panels, in_features, width), "int8")
+            self.scales = nn.Parameter((panels, in_features // 32, width), "float32")
+        elif self.fmt in ("q4_0", "q4_1"):
+            self.codes = nn.Parameter((panels, in_features // 8, width), "uint32")
+            self.scales = nn.Parameter((panels, in_features // 32, width), "float32")
+            if self.fmt == "q4_1":
+                self.mins = nn.Parameter((panels, in_features // 32, width), "float32")
         else:
-            shape = (in_features, out_features)
-        self.weight = nn.Parameter(shape, DTYPE)
+            raise ValueError(f"unknown weight format {fmt!r}")
+
+    def _stored(self) -> list:
+        if self.fmt in ("f32", "f16"):
+            return [self.weight]
+        return [self.codes, self.scales] + ([self.mins] if self.fmt == "q4_1" else [])
 
     def forward(self, x: Tensor, row_tile: int = 1) -> Tensor:
         if not self.paneled:
             return op.matmul(x, self.weight)
+        fmt, stored = self.fmt, self._stored()
         if row_tile == 1:
-            return op.tensor_expr_op(_panel_matmul, "matmul", [x, self.weight])
+            return op.tensor_expr_op(
+                lambda xt, *ws: _panel_matmul(fmt, xt, *ws), "matmul", [x, *stored]
+            )
         b, s, k = x.shape
         rows = op.reshape(x, (b * s, k))
         padded = op.tensor_expr_op(
-            lambda xt, wt: _row_tiled_panel_matmul(xt, wt, row_tile), "matmul", [rows, self.weight]
+            lambda xt, *ws: _row_tiled_panel_matmul(fmt, row_tile, xt, *ws),
+            "matmul",
+            [rows, *stored],
         )
         out = op.tensor_expr_op(_drop_row_padding, "unpad_rows", [padded, rows])
         return op.reshape(out, (b, s, out.shape[-1]))
@@ -117,7 +174,12 @@ class Linear(nn.Module):
     def columns(self, ids: Tensor) -> Tensor:
         """W[:, ids] as (len(ids), in): the rows of the transposed weight."""
         if self.paneled:
-            return op.tensor_expr_op(_panel_columns, "take_columns", [self.weight, ids])
+            fmt, k_extent = self.fmt, self.in_features
+            return op.tensor_expr_op(
+                lambda it, *ws: _panel_columns(fmt, k_extent, it, *ws),
+                "take_columns",
+                [ids, *self._stored()],
+            )
         return op.permute_dims(op.take(self.weight, ids, axis=1), [1, 0])
 
 
@@ -131,14 +193,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, paneled: bool) -> None:
+    def __init__(self, config: LlamaConfig, layer_id: int, paneled: bool, formats: dict) -> None:
         self.layer_id = layer_id
+        self.kv_dtype = CPU_KV_DTYPE if paneled else DTYPE
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, qkv_out, paneled)
-        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, paneled)
+        p = f"layers.{layer_id}.self_attn."
+        self.qkv_proj = Linear(config.hidden_size, qkv_out, paneled, formats.get(p + "qkv_proj", "f32"))
+        self.o_proj = Linear(
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            paneled,
+            formats.get(p + "o_proj", "f32"),
+        )
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
         b, s, _ = x.shape
@@ -146,17 +215,29 @@ class Attention(nn.Module):
             self.qkv_proj(x, row_tile),
             (b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim),
         )
+        if self.kv_dtype != DTYPE:
+            qkv = qkv.astype(self.kv_dtype)
         out = kv_cache.attention_with_fused_qkv(
             self.layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5
         )
+        if self.kv_dtype != DTYPE:
+            out = out.astype(DTYPE)
         return self.o_proj(op.reshape(out, (b, s, self.num_heads * self.head_dim)), row_tile)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig, paneled: bool) -> None:
+    def __init__(self, config: LlamaConfig, layer_id: int, paneled: bool, formats: dict) -> None:
+        p = f"layers.{layer_id}.mlp."
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, paneled)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, paneled)
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            2 * config.intermediate_size,
+            paneled,
+            formats.get(p + "gate_up_proj", "f32"),
+        )
+        self.down_proj = Linear(
+            config.intermediate_size, config.hidden_size, paneled, formats.get(p + "down_proj", "f32")
+        )
 
     def forward(self, x: Tensor, row_tile: int) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x, row_tile), 2, axis=-1)
@@ -164,11 +245,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, paneled: bool) -> None:
+    def __init__(self, config: LlamaConfig, layer_id: int, paneled: bool, formats: dict) -> None:
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id, paneled)
+        self.self_attn = Attention(config, layer_id, paneled, formats)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, paneled)
+        self.mlp = MLP(config, layer_id, paneled, formats)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, row_tile)
@@ -183,17 +264,21 @@ class LlamaForCausalLM(nn.Module):
     and `create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page)`.
     """
 
-    def __init__(self, config: LlamaConfig, target: Target) -> None:
+    def __init__(self, config: LlamaConfig, target: Target, formats: dict | None = None) -> None:
         self.config = config
         self.target = target
         paneled = target.kind.name == "llvm"
+        self.kv_dtype = CPU_KV_DTYPE if paneled else DTYPE
+        formats = formats or {}
         if not config.tie_word_embeddings:
             self.embed_tokens = nn.Parameter((config.vocab_size, config.hidden_size), DTYPE)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, i, paneled) for i in range(config.num_layers)]
+            [DecoderLayer(config, i, paneled, formats) for i in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, paneled)
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, paneled, formats.get("lm_head", "f32")
+        )
 
     def embed(self, input_ids: Tensor) -> Tensor:
         if self.config.tie_word_embeddings:
@@ -255,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
             rope_ext_factors=rx.prim_value(0),
             rotary_dim=c.head_dim,
             enable_disaggregation=False,
-            dtype=DTYPE,
+            dtype=self.kv_dtype,
             target=self.target,
         )
 

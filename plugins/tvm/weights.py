@@ -4,7 +4,13 @@ GGUF stores each matrix in ggml order: `tensor.shape` is (in, out) and the
 data, dequantized, is a row-major (out, in) array. llama.cpp's converter also
 permutes the rows of Q and K for its interleaved-pair RoPE, while the TVM KV
 cache applies the rotate-half RoPE of Hugging Face models, so those rows are
-permuted back here. Everything is dequantized to float32 for now.
+permuted back here.
+
+On the CPU the linear weights of Q4_0, Q4_1 and Q8_0 files stay quantized:
+their GGUF blocks are repacked bit-exactly into codes plus per-32 scales
+(and minimums), laid out as column panels like any other weight, and the
+matmul dequantizes as it multiplies (`model.Linear`). F16 weights stay f16,
+F32 weights f32; other GGML types are dequantized to f16.
 """
 
 from __future__ import annotations
@@ -59,6 +65,22 @@ _FAST_DEQUANTIZE = {
     gguf.GGMLQuantizationType.Q4_0: _dequantize_q4_0,
     gguf.GGMLQuantizationType.Q4_1: _dequantize_q4_1,
 }
+
+
+#: how a linear weight of each GGML type is stored on the CPU
+_FORMAT_OF_TYPE = {
+    gguf.GGMLQuantizationType.F32: "f32",
+    gguf.GGMLQuantizationType.F16: "f16",
+    gguf.GGMLQuantizationType.Q8_0: "q8_0",
+    gguf.GGMLQuantizationType.Q4_0: "q4_0",
+    gguf.GGMLQuantizationType.Q4_1: "q4_1",
+}
+
+#: bytes of one 32-element block, and where its codes start, per format
+_BLOCK_LAYOUT = {"q8_0": (34, 2), "q4_0": (18, 2), "q4_1": (20, 4)}
+
+#: the formats kept quantized
+QUANTIZED_FORMATS = tuple(_BLOCK_LAYOUT)
 
 
 def undo_rope_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -165,7 +187,8 @@ def read_tensor_index(path: str | os.PathLike) -> dict[str, RawTensor]:
 
 
 class GGUFTensors:
-    """Named float32 access to the tensors of one GGUF file."""
+    """Named access to the tensors of one GGUF file: float32 values, or the
+    quantized codes and scales of a block-quantized matrix."""
 
     def __init__(self, source) -> None:
         if isinstance(source, gguf.GGUFReader):
@@ -176,6 +199,11 @@ class GGUFTensors:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
+    def tensor_type(self, name: str) -> gguf.GGMLQuantizationType | None:
+        """The GGML type of a tensor, None when the file lacks it."""
+        tensor = self._tensors.get(name)
+        return None if tensor is None else gguf.GGMLQuantizationType(tensor.tensor_type)
+
     def matrix(self, name: str, rows: int, cols: int) -> np.ndarray:
         """The tensor as a float32 (rows, cols) = (out, in) array."""
         return self._read(name, (rows, cols))
@@ -183,7 +211,35 @@ class GGUFTensors:
     def vector(self, name: str, size: int) -> np.ndarray:
         return self._read(name, (size,))
 
-    def _read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def quantized(self, name: str, rows: int, cols: int, fmt: str) -> dict[str, np.ndarray]:
+        """A block-quantized (out, in) matrix as its codes and scales.
+
+        Returns `codes`, (rows, cols / 8) uint32 for the 4-bit formats (code
+        of column k in bits 4·(k % 8) of word k // 8) or (rows, cols) int8
+        for Q8_0, and float32 `scales` (rows, cols / 32), plus `mins` for
+        Q4_1. The codes are the file's own, so the values they stand for are
+        bit-exactly those of llama.cpp's dequantization.
+        """
+        tensor = self._checked(name, (rows, cols))
+        block_bytes, codes_at = _BLOCK_LAYOUT[fmt]
+        if self.tensor_type(name) != _TYPE_OF_FORMAT[fmt]:
+            raise ModelLoadError(f"tensor {name!r} is {self.tensor_type(name).name}, not {fmt}")
+        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, cols // 32, block_bytes)
+        out = {"scales": blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)}
+        if fmt == "q4_1":
+            out["mins"] = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., codes_at:]
+        if fmt == "q8_0":
+            out["codes"] = qs.reshape(rows, cols).view(np.int8)
+            return out
+        # element j of a block is the low nibble of byte j, element j + 16
+        # the high nibble
+        nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols // 8, 8)
+        shifts = np.arange(0, 32, 4, dtype=np.uint32)
+        out["codes"] = np.bitwise_or.reduce(nibbles.astype(np.uint32) << shifts, axis=-1)
+        return out
+
+    def _checked(self, name: str, shape: tuple[int, ...]):
         tensor = self._tensors.get(name)
         if tensor is None:
             raise ModelLoadError(f"GGUF file lacks tensor {name!r}")
@@ -193,6 +249,10 @@ class GGUFTensors:
                 f"tensor {name!r} has shape {list(ggml_shape)} (ggml order), "
                 f"expected {list(reversed(shape))}"
             )
+        return tensor
+
+    def _read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        tensor = self._checked(name, shape)
         qtype = tensor.tensor_type
         try:
             if qtype in _PLAIN_TYPES:
@@ -208,31 +268,89 @@ class GGUFTensors:
         return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
+_TYPE_OF_FORMAT = {fmt: qtype for qtype, fmt in _FORMAT_OF_TYPE.items()}
+
+
 def to_panels(w: np.ndarray, width: int) -> np.ndarray:
-    """(in, out) -> (out / width, in, width): contiguous column panels."""
+    """(rows, out) -> (out / width, rows, width): contiguous column panels."""
     k, n = w.shape
     if n % width:
         raise ModelLoadError(f"{n} output columns do not split into panels of {width}")
     return w.reshape(k, n // width, width).transpose(1, 0, 2)
 
 
-def _layer_arrays(t: GGUFTensors, c: LlamaConfig, i: int) -> dict[str, np.ndarray]:
-    p = f"blk.{i}."
+def _linear_sources(c: LlamaConfig, has_output: bool) -> dict[str, list[tuple[str, int, int]]]:
+    """Each linear module's GGUF tensors as (name, rows, heads to un-permute)."""
     h, q_rows, kv_rows = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    q = undo_rope_permutation(t.matrix(p + "attn_q.weight", q_rows, h), c.num_heads)
-    k = undo_rope_permutation(t.matrix(p + "attn_k.weight", kv_rows, h), c.num_kv_heads)
-    v = t.matrix(p + "attn_v.weight", kv_rows, h)
-    gate = t.matrix(p + "ffn_gate.weight", c.intermediate_size, h)
-    up = t.matrix(p + "ffn_up.weight", c.intermediate_size, h)
-    m = f"layers.{i}."
-    return {
-        m + "input_layernorm.weight": t.vector(p + "attn_norm.weight", h),
-        m + "self_attn.qkv_proj.weight": np.concatenate([q, k, v], axis=0).T,
-        m + "self_attn.o_proj.weight": t.matrix(p + "attn_output.weight", h, q_rows).T,
-        m + "post_attention_layernorm.weight": t.vector(p + "ffn_norm.weight", h),
-        m + "mlp.gate_up_proj.weight": np.concatenate([gate, up], axis=0).T,
-        m + "mlp.down_proj.weight": t.matrix(p + "ffn_down.weight", h, c.intermediate_size).T,
-    }
+    sources = {}
+    for i in range(c.num_layers):
+        p, m = f"blk.{i}.", f"layers.{i}."
+        sources[m + "self_attn.qkv_proj"] = [
+            (p + "attn_q.weight", q_rows, c.num_heads),
+            (p + "attn_k.weight", kv_rows, c.num_kv_heads),
+            (p + "attn_v.weight", kv_rows, 0),
+        ]
+        sources[m + "self_attn.o_proj"] = [(p + "attn_output.weight", h, 0)]
+        sources[m + "mlp.gate_up_proj"] = [
+            (p + "ffn_gate.weight", c.intermediate_size, 0),
+            (p + "ffn_up.weight", c.intermediate_size, 0),
+        ]
+        sources[m + "mlp.down_proj"] = [(p + "ffn_down.weight", h, 0)]
+    head = "output.weight" if has_output and not c.tie_word_embeddings else "token_embd.weight"
+    sources["lm_head"] = [(head, c.vocab_size, 0)]
+    return sources
+
+
+def _in_features(c: LlamaConfig, module: str) -> int:
+    if module.endswith("down_proj"):
+        return c.intermediate_size
+    if module.endswith("o_proj"):
+        return c.num_heads * c.head_dim
+    return c.hidden_size
+
+
+def linear_formats(source, config: LlamaConfig) -> dict[str, str]:
+    """How each linear module's weight is stored: "f32", "f16", "q8_0",
+    "q4_0" or "q4_1", keyed by module name ("layers.3.mlp.down_proj",
+    "lm_head").
+
+    A fused module (q/k/v, gate/up) keeps its format only when all of its
+    tensors share it; otherwise, and for GGML types the kernels do not
+    handle, it falls back to f16.
+    """
+    t = source if isinstance(source, GGUFTensors) else GGUFTensors(source)
+    formats = {}
+    for module, parts in _linear_sources(config, "output.weight" in t).items():
+        found = {_FORMAT_OF_TYPE.get(t.tensor_type(name)) for name, _, _ in parts}
+        fmt = found.pop() if len(found) == 1 and None not in found else "f16"
+        if fmt in QUANTIZED_FORMATS and _in_features(config, module) % 32:
+            fmt = "f16"
+        formats[module] = fmt
+    return formats
+
+
+def _linear_arrays(
+    t: GGUFTensors, c: LlamaConfig, module: str, parts: list[tuple[str, int, int]], fmt: str
+) -> dict[str, np.ndarray]:
+    """A linear module's parameters in (rows, out) layout, rows being the
+    input features (or their groups of 8 / 32 for codes and scales)."""
+    cols = _in_features(c, module)
+    if fmt in QUANTIZED_FORMATS:
+        pieces = [t.quantized(name, rows, cols, fmt) for name, rows, _ in parts]
+        for piece, (_, _, heads) in zip(pieces, parts):
+            if heads:
+                for key in piece:
+                    piece[key] = undo_rope_permutation(piece[key], heads)
+        return {
+            f"{module}.{key}": np.concatenate([p[key] for p in pieces], axis=0).T
+            for key in pieces[0]
+        }
+    matrices = []
+    for name, rows, heads in parts:
+        w = t.matrix(name, rows, cols)
+        matrices.append(undo_rope_permutation(w, heads) if heads else w)
+    dtype = np.float16 if fmt == "f16" else np.float32
+    return {f"{module}.weight": np.concatenate(matrices, axis=0).T.astype(dtype, copy=False)}
 
 
 def load_gguf_weights(
@@ -240,17 +358,20 @@ def load_gguf_weights(
     config: LlamaConfig,
     param_names: Iterable[tuple[str, tuple[int, ...]]],
     progress: Callable[[str], None] | None = None,
+    formats: dict[str, str] | None = None,
 ) -> list[np.ndarray]:
-    """The model's parameters as contiguous float32 arrays, in the given order.
+    """The model's parameters as contiguous arrays, in the given order.
 
     :param source: the GGUF file's path, or a `gguf.GGUFReader` of it.
     :param param_names: (name, shape) of every parameter of
         `model.LlamaForCausalLM`, in its `named_parameters` order; a 3-D shape
-        asks for the paneled (out / panel, in, panel) layout.
+        asks for the paneled (out / panel, rows, panel) layout.
+    :param formats: `linear_formats` of the compiled model; None stores
+        every linear weight as float32.
     :raises ModelLoadError: a tensor is missing, mis-shaped or of a type that
         cannot be dequantized.
     """
-    return list(iter_gguf_weights(source, config, param_names, progress))
+    return list(iter_gguf_weights(source, config, param_names, progress, formats))
 
 
 def iter_gguf_weights(
@@ -258,28 +379,37 @@ def iter_gguf_weights(
     config: LlamaConfig,
     param_names: Iterable[tuple[str, tuple[int, ...]]],
     progress: Callable[[str], None] | None = None,
+    formats: dict[str, str] | None = None,
 ) -> Iterator[np.ndarray]:
     """`load_gguf_weights` one array at a time, so a caller that copies each
-    to a device never holds the whole float32 model twice."""
+    to a device never holds the whole model twice."""
     t = GGUFTensors(source)
     c = config
+    sources = _linear_sources(c, "output.weight" in t)
+    formats = formats or {}
     by_name: dict[str, np.ndarray] = {}
-    embed = t.matrix("token_embd.weight", c.vocab_size, c.hidden_size)
-    if c.tie_word_embeddings:
-        by_name["lm_head.weight"] = embed.T
-    else:
-        by_name["embed_tokens"] = embed
-        by_name["lm_head.weight"] = t.matrix("output.weight", c.vocab_size, c.hidden_size).T
+    if not c.tie_word_embeddings:
+        by_name["embed_tokens"] = t.matrix("token_embd.weight", c.vocab_size, c.hidden_size)
     by_name["norm.weight"] = t.vector("output_norm.weight", c.hidden_size)
-    layers_done = -1
+    loaded: set[str] = set()
     for name, shape in param_names:
-        if name.startswith("layers."):
-            layer = int(name.split(".")[1])
-            if layer > layers_done:
-                if progress is not None and layer % 10 == 0:
+        module = name.rsplit(".", 1)[0]
+        if name not in by_name and module in sources and module not in loaded:
+            if progress is not None and module.endswith("qkv_proj"):
+                layer = int(module.split(".")[1])
+                if layer % 10 == 0:
                     progress(f"loading weights: layer {layer + 1}/{c.num_layers}")
-                by_name.update(_layer_arrays(t, c, layer))
-                layers_done = layer
+            by_name.update(_linear_arrays(t, c, module, sources[module], formats.get(module, "f32")))
+            loaded.add(module)
+        elif name not in by_name and name.startswith("layers."):
+            i = int(name.split(".")[1])
+            norms = {
+                "input_layernorm.weight": f"blk.{i}.attn_norm.weight",
+                "post_attention_layernorm.weight": f"blk.{i}.ffn_norm.weight",
+            }
+            leaf = name.split(".", 2)[2]
+            if leaf in norms:
+                by_name[name] = t.vector(norms[leaf], c.hidden_size)
         array = by_name.pop(name, None)
         if array is None:
             raise ModelLoadError(f"no GGUF tensor provides parameter {name!r}")
@@ -289,4 +419,4 @@ def iter_gguf_weights(
             raise ModelLoadError(
                 f"parameter {name!r} has shape {list(array.shape)}, the model expects {list(shape)}"
             )
-        yield np.ascontiguousarray(array, dtype=np.float32)
+        yield np.ascontiguousarray(array)
