@@ -3,9 +3,14 @@ against llama.cpp.
 
 The reference: llama-cpp-python 0.3.36 on the same GGUF, prompt tokenized
 with special tokens, 30 argmax steps with end-of-turn not treated as a stop.
+
+`LOCKGATE_TARGET` ("auto", "llvm" or "cuda") picks the executor's target, so
+benchmarks/gpu_check.sh can run the same check on a GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -26,7 +31,12 @@ def executor(smollm2_path, smollm2_reader):
     from lockgate.plugins.tvm.executor import create_executor
 
     config = LlamaConfig.from_gguf(smollm2_reader)
-    options = ExecutorOptions(max_num_seqs=4, max_total_tokens=1024, prefill_chunk_size=64)
+    options = ExecutorOptions(
+        max_num_seqs=4,
+        max_total_tokens=1024,
+        prefill_chunk_size=64,
+        target=os.environ.get("LOCKGATE_TARGET", "auto"),
+    )
     ex = create_executor(ModelFile(smollm2_path, config), options)
     yield ex
     ex.close()

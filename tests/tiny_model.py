@@ -85,13 +85,19 @@ def _add_weight(writer: gguf.GGUFWriter, name: str, w: np.ndarray, tensor_type: 
 
 
 def write_tiny_gguf(
-    path, *, tensor_type: str = "F32", seed: int = 0, **config_overrides
+    path, *, tensor_type: str = "F32", seed: int = 0, vocab_size: int | None = None, **config_overrides
 ) -> pathlib.Path:
     """Write a tiny llama GGUF with random weights and return its path.
+
+    With `config_overrides` and `vocab_size` the same writer makes a
+    random-weight model of any llama shape (benchmarks/gpu_check.sh writes
+    one of Llama-3-8B's).
 
     :param tensor_type: GGML type of the 2-D weights: F32, F16, Q8_0, Q4_0,
         Q4_1 (norms stay F32, as in real files).
     :param seed: seed of the weights.
+    :param vocab_size: pad the tiny vocabulary with placeholder tokens up to
+        this size; None keeps it as it is.
     :param config_overrides: any key of `TINY_CONFIG`.
     """
     unknown = set(config_overrides) - set(TINY_CONFIG)
@@ -101,6 +107,8 @@ def write_tiny_gguf(
     path = pathlib.Path(path)
     rng = np.random.default_rng(seed)
     tokens = tiny_vocab()
+    if vocab_size is not None:
+        tokens += [f"<|placeholder_{i}|>" for i in range(vocab_size - len(tokens))]
     vocab = len(tokens)
     hidden, ffn = cfg["hidden_size"], cfg["intermediate_size"]
     n_head, n_kv, head_dim = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]

