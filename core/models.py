@@ -108,8 +108,7 @@ def load_model(
     overrides the file's template), compiles or loads the executor, and
     creates the engine (not yet started).
     """
-    import gguf
-
+    from lockgate.gguf_metadata import GGUFMetadata
     from lockgate.structured import prepare_tokenizer
     from lockgate.tokenizer import eos_token_ids, load_tokenizer
 
@@ -135,10 +134,7 @@ def load_model(
         )
     progress = executor_options.progress or (lambda message: None)
     progress(f"reading {path}")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read {path} as GGUF: {exc}") from exc
+    reader = GGUFMetadata(path)
     config = LlamaConfig.from_gguf(reader)
     tokenizer = load_tokenizer(reader, chat_template=chat_template)
     eos_ids = eos_token_ids(reader, tokenizer)
