@@ -15,6 +15,7 @@ import pytest
 
 from lockgate.errors import ModelLoadError
 from lockgate.tokenizer import SUPPORTED_PRE_TOKENIZERS, eos_token_ids, load_tokenizer
+from tiny_model import bytes_to_unicode
 
 GOLDEN_TOKENIZATION = [
     ("Hello, world!", [19556, 28, 905, 17]),
@@ -181,19 +182,6 @@ def test_loads_fast(smollm2_reader):
 # --- Small GGUF files written by the tests themselves ----------------------------------------
 
 
-def byte_alphabet() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values, in its order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1)]
-    printable += range(ord("\xae"), ord("\xff") + 1)
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in sorted(chars, key=lambda b: (b not in printable, b))]
-
-
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -214,7 +202,7 @@ def write_tokenizer_gguf(
     vocabulary without merges, so there is always at least one merge.
     """
     merged = [m.replace(" ", "") for m in merges]
-    tokens = SPECIALS + byte_alphabet() + merged + list(extra_tokens) + list(user_defined)
+    tokens = SPECIALS + bytes_to_unicode() + merged + list(extra_tokens) + list(user_defined)
     types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS) - len(user_defined))
     types += [4] * len(user_defined)
     writer = gguf.GGUFWriter(path, "llama")
