@@ -135,6 +135,9 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         if body.get("stream") is True:
             return await _stream(request, body, handles, builder)
         return await _collect(request, handles, builder)
+    except ConnectionResetError:
+        log.info("client disconnected while waiting for its completion")
+        return web.Response(status=499)  # nginx's "client closed request", for the log
     finally:
         request[USAGE] = _usage(handles)
         for handle in handles:
