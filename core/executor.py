@@ -25,7 +25,7 @@ class ExecutorOptions:
     #: most sequences decoded in one step (the KV cache's batch dimension)
     max_num_seqs: int = 16
     #: tokens the KV cache holds over all sequences together
-    max_total_tokens: int = 16384
+    max_total_tokens: int = 8192
     #: most tokens one prefill call may carry (longer prompts are chunked)
     prefill_chunk_size: int = 512
     #: tokens per KV page

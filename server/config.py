@@ -29,7 +29,7 @@ class Settings:
     executor: str = "tvm"
     target: str = "auto"
     max_num_seqs: int = 16
-    max_total_tokens: int = 16384
+    max_total_tokens: int = 8192
     prefill_chunk_size: int = 512
     #: tokens one engine step processes (decode + prefill chunks); None: prefill_chunk_size
     max_num_batched_tokens: int | None = None
