@@ -19,6 +19,10 @@ def assert_same(path):
     for key in keys:
         assert ours.fields[key].contents() == theirs.fields[key].contents(), key
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        assert mine.shape == tuple(int(d) for d in reference.shape)
+        assert mine.ggml_type == int(reference.tensor_type)
+        assert ours.data_offset + mine.offset == reference.data_offset
     assert LlamaConfig.from_gguf(ours) == LlamaConfig.from_gguf(theirs)
     mine, reference = load_tokenizer(ours), load_tokenizer(theirs)
     text = "Hello, world!  naïve café 日本語 🙂 <|im_start|>user\n"
