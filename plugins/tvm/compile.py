@@ -262,80 +262,70 @@ class CPUInjective(ScheduleRule):
         return sch
 
 
+def _relax_pipeline(name: str, *, fuse: list, schedule, free_early: list) -> tvm.transform.Pass:
+    """Fuse, schedule with `schedule`, then lower for the VM. `fuse` runs
+    before legalization; `free_early` between allocation lowering and
+    builtin lowering."""
+
+    @tvm.transform.module_pass(opt_level=0, name=name)
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        seq = tvm.transform.Sequential(
+            [
+                relax.backend.DispatchSampling(),
+                relax.backend.DispatchSortScan(),
+                *fuse,
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.FoldConstant(),
+                relax.transform.FuseOps(),
+                relax.transform.FuseTIR(),
+                relax.transform.DeadCodeElimination(),
+                schedule,
+                relax.transform.RewriteDataflowReshape(),
+                relax.transform.ToNonDataflow(),
+                relax.transform.RemovePurityChecking(),
+                relax.transform.CallTIRRewrite(),
+                relax.transform.StaticPlanBlockMemory(),
+                relax.transform.LowerAllocTensor(),
+                *free_early,
+                relax.transform.LowerRuntimeBuiltin(),
+                relax.transform.ComputePrimValue(),
+                relax.transform.VMShapeLower(),
+                relax.transform.AttachGlobalSymbol(),
+            ]
+        )
+        return seq(mod)
+
+    return _pipeline
+
+
 def cpu_pipeline() -> tvm.transform.Pass:
-    """The relax pipeline for llvm: fuse, schedule, then lower for the VM.
+    """The relax pipeline for llvm.
 
     `KillAfterLastUse` is left out: `StaticPlanBlockMemory` already reuses
     storage, so dropping each tensor right after its last use saved no
     resident memory here, and it cost a VM call per tensor (about 850 per
     decode step, ~8 % of a batch-1 step).
     """
-
-    @tvm.transform.module_pass(opt_level=0, name="LockgateCPUPipeline")
-    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        seq = tvm.transform.Sequential(
-            [
-                relax.backend.DispatchSampling(),
-                relax.backend.DispatchSortScan(),
-                relax.transform.LegalizeOps(),
-                relax.transform.AnnotateTIROpPattern(),
-                relax.transform.FoldConstant(),
-                relax.transform.FuseOps(),
-                relax.transform.FuseTIR(),
-                relax.transform.DeadCodeElimination(),
-                dl.ApplyDefaultSchedule(CPUMatmul(), dl.cpu.Reduction(), CPUInjective()),
-                relax.transform.RewriteDataflowReshape(),
-                relax.transform.ToNonDataflow(),
-                relax.transform.RemovePurityChecking(),
-                relax.transform.CallTIRRewrite(),
-                relax.transform.StaticPlanBlockMemory(),
-                relax.transform.LowerAllocTensor(),
-                relax.transform.LowerRuntimeBuiltin(),
-                relax.transform.ComputePrimValue(),
-                relax.transform.VMShapeLower(),
-                relax.transform.AttachGlobalSymbol(),
-            ]
-        )
-        return seq(mod)
-
-    return _pipeline
+    return _relax_pipeline(
+        "LockgateCPUPipeline",
+        fuse=[],
+        schedule=dl.ApplyDefaultSchedule(CPUMatmul(), dl.cpu.Reduction(), CPUInjective()),
+        free_early=[],
+    )
 
 
 def cuda_pipeline() -> tvm.transform.Pass:
-    """The relax pipeline for cuda: the same lowering with `dl.gpu` rules."""
-
-    @tvm.transform.module_pass(opt_level=0, name="LockgateCUDAPipeline")
-    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        seq = tvm.transform.Sequential(
-            [
-                relax.backend.DispatchSampling(),
-                relax.backend.DispatchSortScan(),
-                relax.transform.FuseTransposeMatmul(),
-                relax.transform.LegalizeOps(),
-                relax.transform.AnnotateTIROpPattern(),
-                relax.transform.FoldConstant(),
-                relax.transform.FuseOps(),
-                relax.transform.FuseTIR(),
-                relax.transform.DeadCodeElimination(),
-                dl.ApplyDefaultSchedule(
-                    dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
-                ),
-                relax.transform.RewriteDataflowReshape(),
-                relax.transform.ToNonDataflow(),
-                relax.transform.RemovePurityChecking(),
-                relax.transform.CallTIRRewrite(),
-                relax.transform.StaticPlanBlockMemory(),
-                relax.transform.LowerAllocTensor(),
-                relax.transform.KillAfterLastUse(),
-                relax.transform.LowerRuntimeBuiltin(),
-                relax.transform.ComputePrimValue(),
-                relax.transform.VMShapeLower(),
-                relax.transform.AttachGlobalSymbol(),
-            ]
-        )
-        return seq(mod)
-
-    return _pipeline
+    """The relax pipeline for cuda: transposed matmuls fused, `dl.gpu` rules,
+    device memory freed right after its last use."""
+    return _relax_pipeline(
+        "LockgateCUDAPipeline",
+        fuse=[relax.transform.FuseTransposeMatmul()],
+        schedule=dl.ApplyDefaultSchedule(
+            dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
+        ),
+        free_early=[relax.transform.KillAfterLastUse()],
+    )
 
 
 _SOURCE_FILES = ("model.py", "compile.py", "kernels.py")
