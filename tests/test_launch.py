@@ -63,14 +63,24 @@ def chat(port: int, model: str = "tiny") -> str:
     return reply.choices[0].finish_reason
 
 
-def test_lockgate_serve(tiny_gguf):
+def serve_tiny(tiny_gguf, *flags: str):
+    """`lockgate serve` of the tiny model as "tiny" on a free port, started and healthy."""
     port = free_port()
     process = start(
         [sys.executable, "-m", "lockgate.server.cli", "serve", "--model", str(tiny_gguf),
-         "--served-model-name", "tiny", "--port", str(port), "--max-total-tokens", "2048"]
+         "--served-model-name", "tiny", "--port", str(port), *flags]
     )
     try:
         wait_healthy(process, port)
+    except BaseException:
+        stop(process)
+        raise
+    return process, port
+
+
+def test_lockgate_serve(tiny_gguf):
+    process, port = serve_tiny(tiny_gguf, "--max-total-tokens", "2048")
+    try:
         assert chat(port) in ("stop", "length")
     finally:
         code, err = stop(process)
@@ -124,13 +134,8 @@ def test_serve_reports_a_bad_model_clearly(tmp_path):
 def test_sigterm_lets_in_flight_requests_finish(tiny_gguf):
     import http.client
 
-    port = free_port()
-    process = start(
-        [sys.executable, "-m", "lockgate.server.cli", "serve", "--model", str(tiny_gguf),
-         "--served-model-name", "tiny", "--port", str(port), "--shutdown-grace", "30"]
-    )
+    process, port = serve_tiny(tiny_gguf, "--shutdown-grace", "30")
     try:
-        wait_healthy(process, port)
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         body = {"model": "tiny", "prompt": "the", "max_tokens": 400, "ignore_eos": True, "stream": True}
         connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
