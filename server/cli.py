@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import signal
 import sys
@@ -70,6 +71,10 @@ def serve(settings: Settings) -> None:
     from lockgate.logging import configure_logging
 
     configure_logging(settings.log_format, settings.log_level)
+    # Should native code ever crash the process despite the limits on what
+    # reaches it, the crash leaves every thread's Python stack on stderr
+    # rather than nothing at all.
+    faulthandler.enable()
     asyncio.run(_serve(settings))
 
 

@@ -232,6 +232,120 @@ def test_deeply_nested_schema_is_refused_cleanly(compile_format):
     assert caught.value.param == "response_format"
 
 
+# ------------------------------------------------------------------ limits before native code
+
+
+def ref_chain(length, link=lambda ref: {"$ref": ref}):
+    """`$defs` d0 .. d<length>, each nesting the next through `link`."""
+    defs = {f"d{i}": link(f"#/$defs/d{i + 1}") for i in range(length)}
+    defs[f"d{length}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def escaped_ref_chain(length):
+    """Definitions named `a/b~<i>`: their references need JSON pointer escapes."""
+    defs = {f"a/b~{i}": {"$ref": f"#/$defs/a~1b~0{i + 1}"} for i in range(length)}
+    defs[f"a/b~{length}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/a~1b~00"}
+
+
+def array_of(ref):
+    return {"type": "array", "items": {"$ref": ref}}
+
+
+def either(ref):
+    # two references to the same definition: the expansion is a tree of
+    # 2**length paths, which the depth count must not walk one by one
+    return {"anyOf": [{"$ref": ref}, {"type": "array", "items": {"$ref": ref}}]}
+
+
+@pytest.mark.parametrize(
+    "schema, limit",
+    [
+        (ref_chain(10_000), "256"),
+        (ref_chain(300), "256"),
+        (ref_chain(2_000, array_of), "256"),
+        (ref_chain(3_000, either), "256"),
+        (escaped_ref_chain(400), "256"),
+        ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(25_000)}}, "20000"),
+    ],
+    ids=["ref-chain", "ref-chain-just-over", "array-chain", "shared-refs", "escaped-pointer", "nodes"],
+)
+def test_schemas_past_a_limit_are_refused_before_llguidance(compile_format, monkeypatch, schema, limit):
+    compiled, resolved = [], []
+    monkeypatch.setattr(structured, "_compile", lambda *args: compiled.append(args))
+    resolve = structured._resolve_ref
+    monkeypatch.setattr(structured, "_resolve_ref", lambda *args: resolved.append(args) or resolve(*args))
+    with pytest.raises(InvalidSchema) as caught:
+        compile_format(json_schema_format(schema))
+    error = caught.value
+    assert (error.status, error.param, error.code) == (400, "response_format", "schema_too_complex")
+    assert f"the limit is {limit}" in error.message
+    assert compiled == []
+    # each reference is followed at most once, even where the expansion
+    # has 2**3000 paths: the check is linear in the schema's size
+    assert len(resolved) <= json.dumps(schema).count('"$ref"')
+
+
+def test_nesting_deeper_than_python_recursion_is_measured(compile_format):
+    schema = {"type": "integer"}
+    for _ in range(5_000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(InvalidSchema, match="nests 5001 JSON objects and arrays deep; the limit is 128"):
+        compile_format(json_schema_format(schema))
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [ref_chain(250), ref_chain(120, array_of), ref_chain(60, either), escaped_ref_chain(250), TREE, FAMILY],
+    ids=["ref-chain-250", "array-chain-120", "shared-refs-60", "escaped-pointer-250", "recursive", "family"],
+)
+def test_schemas_within_the_limits_compile(compile_format, schema):
+    assert isinstance(compile_format(json_schema_format(schema)), Grammar)
+
+
+_OVERFLOW = """
+import sys, threading
+import gguf
+from lockgate import structured
+from lockgate.native import run_with_large_stack
+from lockgate.plugins.models import locate_smollm2
+from lockgate.tokenizer import load_tokenizer
+
+llg = structured._llg_tokenizer(load_tokenizer(gguf.GGUFReader(locate_smollm2())), None)
+defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(10000)}
+defs["d10000"] = {"type": "integer"}
+schema = {"$defs": defs, "$ref": "#/$defs/d0"}  # far past the limits, which are bypassed here
+compile_ = lambda: structured._compile(schema, False, llg)
+if sys.argv[1] == "large-stack":
+    run_with_large_stack(compile_)
+else:
+    threading.stack_size(8 * 1024 * 1024)  # the usual default
+    thread = threading.Thread(target=compile_)
+    thread.start()
+    thread.join()
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("where, survives", [("large-stack", True), ("8-MiB-thread", False)])
+def test_the_compiler_runs_where_a_deep_schema_cannot_overflow_the_stack(tmp_path, where, survives):
+    """The second defence behind the limits: the same compile that kills a
+    process from a thread with an ordinary stack completes on
+    `run_with_large_stack`'s. Run in a child process, since one of the two
+    dies by design."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "overflow.py"
+    script.write_text(_OVERFLOW)
+    child = subprocess.run([sys.executable, str(script), where], capture_output=True, text=True, timeout=300)
+    if survives:
+        assert child.returncode == 0 and "survived" in child.stdout, child.stderr[-2000:]
+    else:
+        assert child.returncode == -11, (child.returncode, child.stderr[-2000:])  # SIGSEGV
+
+
 # ------------------------------------------------------------------ matcher contract
 
 
@@ -303,21 +417,6 @@ def test_llguidance_tokenizer_is_built_once_per_tokenizer(tokenizer, eos_ids):
     assert structured._llg_tokenizer(tokenizer, eos_ids) is built
     structured.prepare_tokenizer(tokenizer, eos_token_ids=eos_ids)
     assert structured._llg_tokenizer(tokenizer, eos_ids) is built
-
-
-def test_compile_time(compile_format):
-    compile_format(json_schema_format(FAMILY))  # the tokenizer is cached from here on
-    for name, response_format in [
-        ("family", json_schema_format(FAMILY)),
-        ("tree", json_schema_format(TREE)),
-        ("json_object", {"type": "json_object"}),
-    ]:
-        runs = []
-        for _ in range(5):
-            start = time.perf_counter()
-            compile_format(response_format)
-            runs.append(time.perf_counter() - start)
-        print(f"compile {name}: best {min(runs) * 1e3:.2f} ms, mean {np.mean(runs) * 1e3:.2f} ms")
 
 
 # ------------------------------------------------------------------ random walks

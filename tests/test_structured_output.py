@@ -130,3 +130,33 @@ async def test_invalid_schemas_are_400_before_any_byte(tiny_model, make_openai, 
     error = caught.value.body
     assert error["code"] == "invalid_schema" and error["param"] == "response_format"
     assert fragment in error["message"]
+
+
+def ref_chain(length: int) -> dict:
+    """The schema that killed the server: `$ref`s chained `length` deep."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(length)}
+    defs[f"d{length}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_10000_deep_ref_chain_is_a_400_and_the_server_serves_on(tiny_model, make_openai, stream):
+    """Before the limits, llguidance overflowed its native stack on this
+    schema and the process died with a segmentation fault."""
+    from conftest import wait_idle
+
+    client = await make_openai(tiny_model)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=5,
+            response_format=schema_format(ref_chain(10_000)), stream=stream,
+        )
+    error = caught.value.body
+    assert error["code"] == "schema_too_complex" and error["param"] == "response_format"
+    assert "$ref" in error["message"] and "256" in error["message"]
+    reply = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+        response_format=schema_format(ref_chain(20)),
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert (await wait_idle(tiny_model.engine))["kv_pages_used"] == 0
