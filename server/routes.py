@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import structlog
@@ -47,7 +48,51 @@ async def read_json_body(request: web.Request) -> dict[str, Any]:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    if _MAY_HOLD_SURROGATE.search(raw):
+        reject_unencodable_strings(body)
     return body
+
+
+# JSON's \uD800-\uDFFF escapes are the only way a body that decoded as UTF-8
+# can carry a surrogate; a paired one decodes to a proper character.
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def reject_unencodable_strings(body: dict[str, Any]) -> None:
+    """Refuse a body any of whose strings, keys included, holds an unpaired
+    surrogate (`"\\ud800"`): Python's JSON parser accepts it, but no later
+    stage can (the tokenizer, the grammar compiler and the detokenizer raise,
+    UTF-8 cannot encode it). Checked once here, on the whole body, so every
+    string the pipeline hands onward is encodable whatever field it came in.
+
+    :raises InvalidRequestError: (400) with `param` the field's path, as
+        `messages[2].content[0].text`.
+    """
+    # depth first, in document order, without recursion (bodies nest deep)
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _require_encodable(value, path)
+        elif isinstance(value, dict):
+            for key in value:
+                _require_encodable(key, path, key=True)
+            stack.extend((f"{path}.{key}" if path else key, item) for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", value[i]) for i in reversed(range(len(value))))
+
+
+def _require_encodable(text: str, path: str, *, key: bool = False) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = f"a key of {path}" if key and path else "a key of the body" if key else path
+        surrogate = ord(text[exc.start])
+        raise InvalidRequestError(
+            f"{where} is not valid Unicode: it holds an unpaired surrogate "
+            f"(\\u{surrogate:04x}) at character {exc.start}",
+            param=path or None,
+        ) from None
 
 
 def split_prompts(request_id: str, endpoint: str, body: dict[str, Any]) -> list[Request]:

@@ -61,6 +61,56 @@ async def test_unparseable_bodies(tiny_model, make_client, data, fragment):
     await assert_still_serving(client)
 
 
+COMPLETIONS = "/v1/completions"
+# \ud800 as the JSON escape: Python's parser accepts it, UTF-8 cannot encode it
+LONE = "a\\ud800b"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        (CHAT, f'{{"messages": [{{"role": "user", "content": "{LONE}"}}]}}', "messages[0].content"),
+        (CHAT, '{"messages": [{"role": "system", "content": "ok"}, {"role": "user", "content": '
+               f'[{{"type": "text", "text": "fine"}}, {{"type": "text", "text": "{LONE}"}}]}}]}}',
+         "messages[1].content[1].text"),
+        (CHAT, f'{{"messages": [{{"role": "user", "content": "hi", "name": "{LONE}"}}]}}', "messages[0].name"),
+        (CHAT, f'{{"messages": [{{"role": "user", "content": "hi"}}], "stop": "{LONE}"}}', "stop"),
+        (CHAT, f'{{"messages": [{{"role": "user", "content": "hi"}}], "stop": ["x", "{LONE}"]}}', "stop[1]"),
+        (CHAT, f'{{"messages": [{{"role": "user", "content": "hi"}}], "user": "{LONE}"}}', "user"),
+        (CHAT, f'{{"messages": [{{"role": "user", "content": "hi"}}], "logit_bias": {{"{LONE}": 1}}}}',
+         "logit_bias"),
+        (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", '
+               f'"json_schema": {{"name": "x", "schema": {{"type": "string", "pattern": "{LONE}"}}}}}}}}',
+         "response_format.json_schema.schema.pattern"),
+        (CHAT, f'{{"messages": [{{"role": "user", "content": "hi"}}], "{LONE}": 1}}', None),
+        (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "x": "\\udc00"}', "x"),
+        (COMPLETIONS, f'{{"prompt": "{LONE}"}}', "prompt"),
+        (COMPLETIONS, f'{{"prompt": ["fine", "{LONE}"]}}', "prompt[1]"),
+    ],
+)
+async def test_strings_that_are_not_valid_unicode_are_a_400_naming_the_field(
+    tiny_model, make_client, route, body, param, stream
+):
+    """Each used to reach the template, tokenizer or grammar compiler and
+    come back a 500 (`TextEncodeInput must be Union[...]`)."""
+    client = await make_client(tiny_model)
+    data = body[:-1] + f', "model": "tiny", "max_tokens": 2, "stream": {str(stream).lower()}}}'
+    response = await client.post(route, data=data.encode(), headers={"Content-Type": "application/json"})
+    error = await assert_error(response, 400, "invalid_request_error", "invalid_value")
+    assert error["param"] == param
+    assert "not valid Unicode" in error["message"] and "unpaired surrogate" in error["message"]
+    await assert_still_serving(client)
+
+
+async def test_a_surrogate_pair_is_an_ordinary_character(tiny_model, make_client):
+    client = await make_client(tiny_model)
+    data = b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud83d\\ude00 \\\\ud800"}]}'
+    response = await client.post(CHAT, data=data, headers={"Content-Type": "application/json"})
+    assert response.status == 200, await response.text()
+
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
