@@ -225,7 +225,10 @@ async def _stream(request, body, handles, builder: ResponseBuilder) -> web.Strea
                 for i in range(handle.work.params.n):
                     await send(builder.role_chunk(handle.work.choice_offset + i, include_usage))
         async for delta in _merged(request, handles):
-            if delta.text or delta.finish_reason is not None:
+            # A token whose text is held back (an incomplete UTF-8 sequence, a
+            # possible start of a stop string) still has its logprobs: they go
+            # out now, in a chunk with empty text.
+            if delta.text or delta.finish_reason is not None or delta.logprobs:
                 await send(builder.delta_chunk(delta, include_usage))
         if include_usage:
             await send(builder.usage_chunk(_usage(handles)))

@@ -60,3 +60,75 @@ async def test_concurrent_greedy_equals_alone(default_model, make_openai):
     together = await asyncio.gather(*(ask(q) for q in questions))
     assert list(together) == alone
     assert (await wait_idle(default_model.engine))["kv_pages_used"] == 0
+
+
+def _chat_from_stream(chunks) -> dict:
+    """A streamed chat answer put back together in the non-streamed shape."""
+    text, logprobs, finish_reason, usage, held_back = "", [], None, None, 0
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        text += choice.delta.content or ""
+        if choice.logprobs is not None:
+            logprobs += [entry.model_dump() for entry in choice.logprobs.content]
+            held_back += not choice.delta.content
+        finish_reason = choice.finish_reason or finish_reason
+    return {"text": text, "logprobs": logprobs, "finish_reason": finish_reason, "usage": usage,
+            "chunks with logprobs and no text": held_back}
+
+
+def _completion_from_stream(chunks) -> dict:
+    text, finish_reason, usage, held_back = "", None, None, 0
+    logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        text += choice.text
+        if choice.logprobs is not None:
+            for field, values in logprobs.items():
+                values += getattr(choice.logprobs, field)
+            held_back += not choice.text
+        finish_reason = choice.finish_reason or finish_reason
+    return {"text": text, "logprobs": logprobs, "finish_reason": finish_reason, "usage": usage,
+            "chunks with logprobs and no text": held_back}
+
+
+@pytest.mark.parametrize(
+    "endpoint, request_",
+    [
+        # multi-byte output: tokens that end inside a UTF-8 sequence
+        ("completions", dict(prompt="Good morning in Japanese is", max_tokens=16, logprobs=2)),
+        ("chat", dict(messages=[{"role": "user", "content": "Translate to Japanese: good morning"}],
+                      max_tokens=24, logprobs=True, top_logprobs=2)),
+        # text held back while it may be the start of a stop string, then a stop
+        ("chat", dict(messages=[{"role": "user", "content": "Reply with only three emoji about the sea."}],
+                      max_tokens=24, logprobs=True, stop=["place of endless joy", "beauty"])),
+    ],
+    ids=["completions-japanese", "chat-japanese", "chat-stop-holdback"],
+)
+async def test_stream_equals_whole_field_for_field(default_model, make_openai, endpoint, request_):
+    """Every token's logprobs reach a streaming client, also those of tokens
+    whose text is held back; put together, the stream is the whole answer."""
+    client = await make_openai(default_model)
+    create = client.chat.completions.create if endpoint == "chat" else client.completions.create
+    kwargs = dict(model="smollm2", temperature=0, **request_)
+    whole = (await create(**kwargs)).model_dump()
+    stream = await create(**kwargs, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    streamed = (_chat_from_stream if endpoint == "chat" else _completion_from_stream)(chunks)
+    choice = whole["choices"][0]
+    assert streamed["text"] == (choice["message"]["content"] if endpoint == "chat" else choice["text"])
+    expected_logprobs = choice["logprobs"]["content"] if endpoint == "chat" else choice["logprobs"]
+    assert streamed["logprobs"] == expected_logprobs
+    assert streamed["finish_reason"] == choice["finish_reason"]
+    assert streamed["usage"] == whole["usage"]
+    tokens = expected_logprobs if endpoint == "chat" else expected_logprobs["tokens"]
+    assert len(tokens) == whole["usage"]["completion_tokens"] > 0
+    # the case this test is for did happen
+    assert streamed["chunks with logprobs and no text"] > 0
