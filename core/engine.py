@@ -484,6 +484,8 @@ class Engine:
                     if len(pending) == 1:
                         decode.append(choice)
                         pages += self._pages(choice.kv_len + 1) - self._pages(choice.kv_len)
+                        if not state.forked:
+                            pages += state.params.n - 1  # a one-token prompt forks here
             budget -= len(decode)
             chunk_room = self.executor.prefill_chunk_size
             for state in self._running:
@@ -535,7 +537,10 @@ class Engine:
         self._consecutive_failures = 0
         for choice in choices:
             choice.kv_len += 1
-        self._sample(choices, logits, events)
+        # a one-token prompt goes in as a decode row: it may be the one to fork
+        ready, rows = self._forked_when_prompt_is_in(list(enumerate(choices)), events)
+        if ready:
+            self._sample(ready, logits[rows], events)
 
     def _run_prefill(self, chunks: list[tuple[_Choice, list[int]]], events: list) -> None:
         try:
@@ -544,12 +549,24 @@ class Engine:
             self._executor_failed(exc, {c.state for c, _ in chunks}, events)
             return
         self._consecutive_failures = 0
-        ready: list[_Choice] = []
-        rows: list[int] = []
+        done: list[tuple[int, _Choice]] = []
         for row, (choice, tokens) in enumerate(chunks):
             choice.kv_len += len(tokens)
-            if choice.pending():
-                continue  # more of the prompt to come
+            if not choice.pending():  # else more of the prompt is to come
+                done.append((row, choice))
+        ready, rows = self._forked_when_prompt_is_in(done, events)
+        if ready:
+            self._sample(ready, logits[rows], events)
+
+    def _forked_when_prompt_is_in(
+        self, done: list[tuple[int, _Choice]], events: list
+    ) -> tuple[list[_Choice], list[int]]:
+        """The choices to sample from the logits rows of `done` (row, choice
+        whose tokens are all in). A request whose prompt has just gone in is
+        forked first: its `n` choices share the prompt's row."""
+        ready: list[_Choice] = []
+        rows: list[int] = []
+        for row, choice in done:
             state = choice.state
             if not state.forked:
                 try:
@@ -563,8 +580,7 @@ class Engine:
             else:
                 ready.append(choice)
                 rows.append(row)
-        if ready:
-            self._sample(ready, logits[rows], events)
+        return ready, rows
 
     def _fork(self, state: _RequestState) -> None:
         """The prompt is in: create the other `n - 1` choices sharing its KV."""

@@ -63,6 +63,18 @@ async def test_n_choices_fork_the_prompt(engine):
     assert (await wait_idle(engine))["kv_pages_used"] == 0
 
 
+@pytest.mark.parametrize("prompt", [[200], [5, 40]], ids=["one-token", "two-tokens"])
+async def test_every_choice_of_a_short_prompt_is_generated(engine, prompt):
+    """A one-token prompt goes in as a decode row, not a prefill chunk; its
+    request used to never fork, and choices 1.. of `n` never came (found
+    by the fuzzer)."""
+    single = (await run(engine, prompt, temperature=0, max_tokens=4))[1][0]
+    _, tokens, finish = await run(engine, prompt, temperature=0, n=3, max_tokens=4)
+    assert tokens == {0: single, 1: single, 2: single}
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert (await wait_idle(engine))["kv_pages_used"] == 0
+
+
 async def test_text_is_the_decoded_tokens(engine, model):
     texts, tokens, _ = await run(engine, PROMPTS[0], temperature=1.0, seed=11, max_tokens=40)
     assert texts[0] == model.tokenizer.decode(tokens[0], skip_special_tokens=True)
