@@ -6,6 +6,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+#: temperatures below this sample greedily (vLLM draws the line at the same place)
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -37,7 +40,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below GREEDY_TEMPERATURE the distribution is argmax in all but
+        # rounding, and dividing logits by a temperature that float32 rounds
+        # to zero (2.2e-308 is valid JSON) would make them NaN.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> "SamplingParams":

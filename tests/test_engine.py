@@ -12,7 +12,7 @@ import pytest
 from conftest import wait_idle
 from lockgate.errors import ContextLengthExceeded, InvalidRequestError
 from lockgate.params import SamplingParams
-from lockgate.sampling import process_logits, sample_token
+from lockgate.sampling import SamplingRow, process_logits, sample_batch, sample_token
 from lockgate.types import Work
 
 PROMPTS = [[5, 40, 41, 60], [100, 7, 8], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [200]]
@@ -179,6 +179,18 @@ def test_sampling_filters_on_a_known_distribution():
     assert seen(min_p=0.5) == {0, 1}
     assert seen(top_p=0.5) == {0}
     assert sample_token(logits, SamplingParams(temperature=0), rng) == 0
+
+
+@pytest.mark.parametrize("temperature", [2.2250738585072014e-308, 1e-40, 9e-6])
+def test_a_temperature_too_small_for_float32_samples_greedily(temperature):
+    """Dividing logits by a temperature that float32 rounds to zero made
+    them NaN, and a grammar-masked row then drew a forbidden token."""
+    logits = np.array([0.1, 2.0, 1.0, -np.inf], dtype=np.float32)
+    allowed = np.array([True, False, True, True])
+    rows = [SamplingRow(SamplingParams(temperature=temperature), np.random.default_rng(0), [], [], allowed)]
+    for _ in range(20):
+        tokens, _ = sample_batch(logits[None, :], rows)
+        assert int(tokens[0]) == 2
 
 
 def test_penalty_arithmetic():
