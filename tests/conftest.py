@@ -32,16 +32,18 @@ def tiny_gguf(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def load_tiny(tiny_gguf):
-    """Load the tiny model with its own engine: `load_tiny(chat_template=..., max_queue=...)`.
+    """Load the tiny model with its own engine: `load_tiny(chat_template=..., max_queue=...)`;
+    `pm` and `executor` choose an executor a test plugin registers.
 
     Compilation is cached on disk, so every load after the first is quick.
     """
     loaded = []
 
-    def load(*, pm=None, chat_template=None, executor_options=None, **engine_options):
+    def load(*, pm=None, executor="tvm", chat_template=None, executor_options=None, **engine_options):
         model = load_model(
             pm or get_plugin_manager(autoload=False),
             str(tiny_gguf),
+            executor=executor,
             served_name="tiny",
             chat_template=chat_template,
             executor_options=ExecutorOptions(**{**TINY_EXECUTOR, **(executor_options or {})}),
