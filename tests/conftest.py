@@ -3,8 +3,11 @@ built per test, and the openai SDK pointed at a live server on loopback."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import pathlib
+import time
 
 import openai
 import pytest
@@ -32,16 +35,18 @@ def tiny_gguf(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def load_tiny(tiny_gguf):
-    """Load the tiny model with its own engine: `load_tiny(chat_template=..., max_queue=...)`.
+    """Load the tiny model with its own engine: `load_tiny(chat_template=..., max_queue=...)`;
+    `pm` and `executor` choose an executor a test plugin registers.
 
     Compilation is cached on disk, so every load after the first is quick.
     """
     loaded = []
 
-    def load(*, pm=None, chat_template=None, executor_options=None, **engine_options):
+    def load(*, pm=None, executor="tvm", chat_template=None, executor_options=None, **engine_options):
         model = load_model(
             pm or get_plugin_manager(autoload=False),
             str(tiny_gguf),
+            executor=executor,
             served_name="tiny",
             chat_template=chat_template,
             executor_options=ExecutorOptions(**{**TINY_EXECUTOR, **(executor_options or {})}),
@@ -94,17 +99,31 @@ async def make_openai(make_client):
         await sdk.close()
 
 
-async def wait_idle(engine, timeout: float = 10.0) -> dict:
-    """Wait until the engine holds no request and no KV page; return its stats."""
-    import asyncio
-    import time
-
+async def wait_idle(engine, timeout: float = 60.0) -> dict:
+    """Wait until the engine holds no request and no KV page; return its stats
+    (as they are at `timeout` if it never gets there: callers assert on them)."""
     deadline = time.monotonic() + timeout
     while True:
         stats = engine.stats()
         idle = stats["requests_running"] == 0 and stats["requests_waiting"] == 0
         if idle and stats["kv_pages_used"] == 0 or time.monotonic() > deadline:
             return stats
+        await asyncio.sleep(0.02)
+
+
+async def wait_for(condition, timeout: float = 60.0, what: str | None = None):
+    """Poll `condition()` (a function or a coroutine function) until it returns
+    something true and return that; fail after `timeout` seconds. The deadline
+    is generous: it only bounds how long a failing test takes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what or getattr(condition, '__name__', condition)} after {timeout} s")
         await asyncio.sleep(0.02)
 
 

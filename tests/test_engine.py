@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from conftest import wait_idle
-from lockgate.errors import ContextLengthExceeded, InvalidRequestError
+from lockgate import hookimpl
+from lockgate.errors import ContextLengthExceeded, InvalidRequestError, Unavailable
 from lockgate.params import SamplingParams
+from lockgate.plugin_manager import get_plugin_manager
 from lockgate.sampling import SamplingRow, process_logits, sample_batch, sample_token
 from lockgate.types import Work
 
@@ -30,11 +34,85 @@ async def engine(model):
     await asyncio.get_running_loop().run_in_executor(None, model.engine.shutdown)
 
 
+class InstrumentedExecutor:
+    """Test double: the real executor, recording how many tokens of which
+    sequence every forward pass carries, by engine step; decodes can be held
+    or slowed down."""
+
+    def __init__(self, real):
+        self.real = real
+        #: per engine step, its forward passes: ("decode" | "prefill", {seq_id: tokens})
+        self.steps: list[list[tuple[str, dict[int, int]]]] = []
+        #: forward passes made outside an engine step (there should be none)
+        self.outside_steps: list[tuple[str, dict[int, int]]] = []
+        self.in_step = False
+        #: decodes wait while this is clear
+        self.decodes_allowed = threading.Event()
+        self.decodes_allowed.set()
+        #: every decode takes at least this long
+        self.decode_seconds = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def _record(self, kind, rows):
+        (self.steps[-1] if self.in_step else self.outside_steps).append((kind, rows))
+
+    def prefill(self, seq_ids, token_ids):
+        self._record("prefill", {s: len(t) for s, t in zip(seq_ids, token_ids)})
+        return self.real.prefill(seq_ids, token_ids)
+
+    def decode(self, seq_ids, token_ids):
+        self._record("decode", {s: 1 for s in seq_ids})
+        if not self.decodes_allowed.wait(120):
+            raise RuntimeError("decodes were held for 120 s")
+        time.sleep(self.decode_seconds)
+        return self.real.decode(seq_ids, token_ids)
+
+
+class InstrumentedExecutors:
+    """Plugin: the `tvm` executor wrapped in an `InstrumentedExecutor`."""
+
+    @hookimpl
+    def lockgate_register_executors(self, register):
+        from lockgate.plugins.tvm import create_executor
+
+        register("instrumented", lambda model_file, options: InstrumentedExecutor(create_executor(model_file, options)))
+
+
+@pytest.fixture
+def load_instrumented(load_tiny, monkeypatch):
+    """`load_instrumented(**engine_options)`: a tiny model whose executor is an
+    `InstrumentedExecutor` that knows where each engine step begins and ends."""
+
+    def load(**engine_options):
+        pm = get_plugin_manager(autoload=False, plugins=[InstrumentedExecutors()])
+        model = load_tiny(pm=pm, executor="instrumented", **engine_options)
+        executor, real_step = model.executor, model.engine.step
+
+        def step():
+            executor.steps.append([])
+            executor.in_step = True
+            try:
+                real_step()
+            finally:
+                executor.in_step = False
+
+        monkeypatch.setattr(model.engine, "step", step)
+        return model
+
+    return load
+
+
 async def run(engine, prompt, request_id="r", **params):
     """Generate; returns (text per choice, tokens per choice, finish_reason per choice)."""
     params.setdefault("ignore_eos", True)
     params.setdefault("max_tokens", 16)
-    handle = engine.add(Work(request_id, list(prompt), SamplingParams(**params)))
+    return await collect(engine.add(Work(request_id, list(prompt), SamplingParams(**params))))
+
+
+async def collect(handle):
+    """Read a request to its end, as `run` returns it."""
     texts = collections.defaultdict(str)
     tokens = collections.defaultdict(list)
     finish = {}
@@ -207,31 +285,34 @@ def test_penalty_arithmetic():
     np.testing.assert_allclose(out, [-99.0, 2.0, 4.0, 0.5])
 
 
-async def test_shutdown_drains_then_fails_leftovers(model):
-    from lockgate.errors import Unavailable
-
+async def test_shutdown_drains_then_fails_leftovers(load_instrumented):
+    model = load_instrumented()
+    # Each decode takes at least 20 ms, so the long request (~500 decodes)
+    # cannot finish within the grace period, which gives the short one
+    # (3 decodes) a generous deadline: no outcome hangs on the machine's speed.
+    model.executor.decode_seconds = 0.02
+    grace = 3.0
+    assert (model.context_length - len(PROMPTS[1])) * model.executor.decode_seconds > 3 * grace
     loop = asyncio.get_running_loop()
     engine = model.engine
     engine.start(loop)
     short = engine.add(Work("short", PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True)))
-    # until the context is full: far more steps than the grace period allows
+    # until the context is full
     endless = engine.add(Work("long", PROMPTS[1], SamplingParams(ignore_eos=True)))
     await short.__anext__()
     await endless.__anext__()
-    started = time.monotonic()
-    stopping = loop.run_in_executor(None, engine.shutdown, 0.1)
+    stopping = loop.run_in_executor(None, engine.shutdown, grace)
     finished = [d.finish_reason async for d in short]
     assert finished[-1] == "length"  # finished within the grace period
     with pytest.raises(Unavailable):
         async for _ in endless:
             pass
     await stopping
-    assert endless.usage.completion_tokens < model.context_length - len(PROMPTS[1]), (
-        f"the long request finished in {time.monotonic() - started:.2f} s"
-    )
+    assert endless.usage.completion_tokens < model.context_length - len(PROMPTS[1])
     assert engine.stats()["kv_pages_used"] == 0
     with pytest.raises(Unavailable):
         engine.add(Work("late", PROMPTS[0], SamplingParams(max_tokens=2)))
+    model.executor.decode_seconds = 0.0
     engine.start(loop)  # an app restarted around the same model serves again
     try:
         assert (await run(engine, PROMPTS[0], max_tokens=3))[2] == {0: "length"}
@@ -263,20 +344,49 @@ async def test_preemption_by_recompute_leaves_output_unchanged(load_tiny):
         await loop.run_in_executor(None, engine.shutdown)
 
 
-async def test_step_token_budget_chunks_long_prompts(load_tiny):
-    """A prompt longer than the step budget is prefilled over several steps
-    while another request keeps decoding; greedy output is unaffected."""
-    model = load_tiny(max_num_batched_tokens=32)
-    engine = model.engine
+async def test_step_token_budget_chunks_long_prompts(load_instrumented):
+    """No engine step carries more than `max_num_batched_tokens` tokens: a
+    prompt longer than that is prefilled in chunks over several steps, each
+    beside the decode of a running request; greedy output is unaffected."""
+    budget = 32
+    model = load_instrumented(max_num_batched_tokens=budget)
+    engine, executor = model.engine, model.executor
+    long_prompt = [5 + (i % 200) for i in range(200)]
+    # the budget, not the executor's own limit, is what splits the prompt
+    assert budget < len(long_prompt) <= executor.prefill_chunk_size
     loop = asyncio.get_running_loop()
     engine.start(loop)
     try:
-        long_prompt = [5 + (i % 200) for i in range(200)]
         alone = (await run(engine, long_prompt, temperature=0, max_tokens=10))[1][0]
-        decoding = asyncio.ensure_future(run(engine, PROMPTS[0], "d", temperature=0, max_tokens=60))
-        await asyncio.sleep(0.01)
-        chunked = (await run(engine, long_prompt, "c", temperature=0, max_tokens=10))[1][0]
-        assert chunked == alone
-        assert len((await decoding)[1][0]) == 60
+        steps_alone = len(executor.steps)
+        executor.decodes_allowed.clear()
+        decoding = engine.add(Work("d", PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)))
+        first = await decoding.__anext__()  # its prompt is in; its first decode waits
+        chunked = engine.add(Work("c", long_prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
+        executor.decodes_allowed.set()
+        assert (await collect(chunked))[1][0] == alone
+        assert len(first.token_ids + (await collect(decoding))[1][0]) == 60
     finally:
         await loop.run_in_executor(None, engine.shutdown)
+
+    assert executor.steps and not executor.outside_steps
+    for step in executor.steps:
+        assert sum(n for _, rows in step for n in rows.values()) <= budget, step
+    prefilled = collections.Counter()
+    for step in executor.steps[steps_alone:]:
+        for kind, rows in step:
+            if kind == "prefill":
+                prefilled.update(rows)
+    (long_seq,) = [seq for seq, n in prefilled.items() if n == len(long_prompt)]
+    (decoding_seq,) = [seq for seq, n in prefilled.items() if n == len(PROMPTS[0])]
+    chunk_steps = [
+        step for step in executor.steps[steps_alone:]
+        if any(kind == "prefill" and long_seq in rows for kind, rows in step)
+    ]
+    assert len(chunk_steps) >= math.ceil(len(long_prompt) / budget)
+    for i, step in enumerate(chunk_steps):
+        # the running request decodes in every step that prefills a chunk...
+        assert ("decode", {decoding_seq: 1}) in step, step
+        # ...and the chunk fills the rest of the budget, until the prompt's end
+        if i < len(chunk_steps) - 1:
+            assert sum(n for _, rows in step for n in rows.values()) == budget, step

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import wait_idle
+from conftest import wait_for, wait_idle
 from lockgate import hookimpl
 from test_openai_sdk import ALTERNATING_TEMPLATE
 
@@ -250,20 +250,26 @@ async def test_metrics_track_requests_and_return_to_zero(load_tiny, make_client)
     long = {**GOOD, "max_tokens": 300, "ignore_eos": True, "stream": True}
     streaming = await client.post(CHAT, json=long, headers=auth)
     await streaming.content.readline()
-    for _ in range(200):  # the first line is sent before the engine admits the request
-        text = await (await client.get("/metrics")).text()  # open, like /health
+
+    async def metrics_text():
+        return await (await client.get("/metrics")).text()  # open, like /health
+
+    async def generating():  # the first line is sent before the engine admits the request
+        text = await metrics_text()
         running = 'lockgate_requests_running{model="tiny"} 1.0' in text
-        if running and 'lockgate_kv_pages_used{model="tiny"} 0.0' not in text:
-            break
-        await asyncio.sleep(0.02)
-    assert 'lockgate_requests_running{model="tiny"} 1.0' in text
-    assert 'lockgate_kv_pages_used{model="tiny"} 0.0' not in text
+        return running and 'lockgate_kv_pages_used{model="tiny"} 0.0' not in text
+
+    await wait_for(generating)
     streaming.close()  # the client goes away mid-stream
     assert (await client.post(CHAT, json=GOOD, headers=auth)).status == 200
     assert (await client.post(CHAT, json={**GOOD, "temperature": 9}, headers=auth)).status == 400
     await wait_idle(model.engine)
-    await asyncio.sleep(0.1)
-    text = await (await client.get("/metrics")).text()
+
+    async def settled():  # the streaming request is counted once its handler has ended
+        text = await metrics_text()
+        return text if 'lockgate_requests_total{error_type="",outcome="aborted"} 1.0' in text else None
+
+    text = await wait_for(settled)
     for gauge in ("requests_running", "requests_waiting", "kv_pages_used"):
         assert f'lockgate_{gauge}{{model="tiny"}} 0.0' in text, gauge
     assert 'lockgate_requests_total{error_type="",outcome="success"} 1.0' in text

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 
 import pytest
 
 import lockgate.engine
-from conftest import wait_idle
+from conftest import wait_for, wait_idle
 from lockgate import hookimpl
 from lockgate.engine import Engine
 from lockgate.errors import InvalidRequestError
@@ -54,6 +55,30 @@ def with_faulty_executor(model, fail):
         name="faulty",
     )
     return dataclasses.replace(model, executor=executor, engine=engine)
+
+
+def holding_decodes_until_an_abort(model, monkeypatch):
+    """The model on an engine whose decodes wait until it is asked to abort a
+    request: a request cannot run to its end before its abort arrives, however
+    long that takes. Returns (model, the abort event, decode calls so far)."""
+    aborted = threading.Event()
+    decodes = []
+
+    def hold(kind, token_ids):
+        if kind == "decode":
+            decodes.append(len(token_ids))
+            aborted.wait(60)
+        return False
+
+    model = with_faulty_executor(model, hold)
+    real_abort = model.engine.abort
+
+    def abort(handle):
+        real_abort(handle)
+        aborted.set()
+
+    monkeypatch.setattr(model.engine, "abort", abort)
+    return model, aborted, decodes
 
 
 def poisoned(kind, token_ids):
@@ -198,22 +223,29 @@ async def test_failure_inside_a_step_for_one_request(load_tiny, make_client, mon
     assert model.engine.healthy
 
 
-async def test_client_disconnect_frees_pages(load_tiny, make_client):
-    model = load_tiny()
-    client = await make_client(model)
+async def test_client_disconnect_frees_pages(load_tiny, make_client, monkeypatch):
     body = {"model": "tiny", "prompt": "the", "max_tokens": 480, "ignore_eos": True}
+    # gone mid-stream
+    model, aborted, decodes = holding_decodes_until_an_abort(load_tiny(), monkeypatch)
+    client = await make_client(model)
     response = await client.post("/v1/completions", json={**body, "stream": True})
     await response.content.readline()
     response.close()
+    await wait_for(aborted.is_set, what="abort of the request")
     stats = await wait_idle(model.engine)
     assert stats == {**stats, "requests_running": 0, "requests_waiting": 0, "kv_pages_used": 0}
+    assert len(decodes) <= 1  # aborted, not finished
 
+    # gone while waiting for a whole completion
+    model, aborted, decodes = holding_decodes_until_an_abort(load_tiny(), monkeypatch)
+    client = await make_client(model)
     task = asyncio.ensure_future(client.post("/v1/completions", json=body))
-    while model.engine.stats()["requests_running"] == 0:
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: model.engine.stats()["requests_running"] > 0, what="running request")
     task.cancel()
+    await wait_for(aborted.is_set, what="abort of the request")
     stats = await wait_idle(model.engine)
     assert stats["requests_running"] == 0 and stats["kv_pages_used"] == 0
+    assert len(decodes) <= 1
 
 
 async def test_grammar_failure_fails_only_its_request(load_tiny, make_client, monkeypatch):
@@ -240,31 +272,31 @@ async def test_grammar_failure_fails_only_its_request(load_tiny, make_client, mo
     assert model.engine.healthy
 
 
-async def test_client_gone_during_the_pipeline_leaves_nothing_running(load_tiny, make_client):
-    import threading
-
-    gate = threading.Event()
+async def test_client_gone_during_the_pipeline_leaves_nothing_running(load_tiny, make_client, monkeypatch):
+    rendering, gate = threading.Event(), threading.Event()
 
     class SlowTemplate:
         @hookimpl(tryfirst=True)
         def lockgate_render_prompt(self, request):
-            gate.wait(10)  # the client gives up while this runs
+            rendering.set()
+            gate.wait(60)  # the client gives up while this runs
 
-    import time
-
-    def slow_decode(kind, token_ids):
-        time.sleep(0.01 if kind == "decode" else 0)  # 400 tokens take seconds
-        return False
-
-    model = with_faulty_executor(load_tiny(), slow_decode)
+    model, aborted, decodes = holding_decodes_until_an_abort(load_tiny(), monkeypatch)
     client = await make_client(model, plugins=[SlowTemplate()])
     body = {**GOOD, "max_tokens": 400, "ignore_eos": True}
     task = asyncio.ensure_future(client.post(CHAT, json=body))
-    await asyncio.sleep(0.3)
+    await wait_for(rendering.is_set, what="call of lockgate_render_prompt")
     task.cancel()
-    await asyncio.sleep(0.3)
+
+    async def server_saw_the_client_leave():
+        text = await (await client.get("/metrics")).text()
+        return 'lockgate_requests_total{error_type="",outcome="aborted"} 1.0' in text
+
+    await wait_for(server_saw_the_client_leave)
+    assert model.engine.stats()["requests_waiting"] == 0 and not aborted.is_set()
     gate.set()  # the pipeline now enqueues the request of a client that has left
-    await asyncio.sleep(0.5)
-    stats = model.engine.stats()
+    await wait_for(aborted.is_set, what="abort of the request")
+    stats = await wait_idle(model.engine)
     assert stats["requests_running"] == 0 and stats["requests_waiting"] == 0
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert stats["kv_pages_used"] == 0
+    assert len(decodes) <= 1  # aborted, not finished

@@ -1,13 +1,75 @@
-"""Every accepted sampling parameter reaches the sampler and changes what the
-server returns: each test here fails if a parameter is dropped anywhere
-between the HTTP body and the sampler. (The arithmetic of each one is tested
-in test_engine.py.)"""
+"""Every sampling parameter reaches the sampler and changes what the server
+returns.
+
+`CHANGES` holds, for every field of `SamplingParams`, two requests that differ
+in that one parameter and must get different answers through the HTTP app;
+`test_every_sampling_parameter_has_a_case` fails when a field has no entry, so
+a parameter added later cannot go untested. Each case fails if its parameter
+is dropped anywhere between the HTTP body and the sampler. The other tests
+here check what each parameter does to the output; the arithmetic of each one
+is tested in test_engine.py.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from lockgate.params import SamplingParams
+from tiny_model import tiny_vocab
+
+VOCAB = tiny_vocab()
+A, B = VOCAB.index("a"), VOCAB.index("b")
+#: the tiny model's end-of-turn token
+EOS = VOCAB.index("<|im_end|>")
+#: a special token that does not end generation
+IM_START = VOCAB.index("<|im_start|>")
+
+#: "a" and "b" far above every other token: the model alone picks between them
+AB = {str(A): 50, str(B): 50}
+HOT = {"logit_bias": {}, "temperature": 2.0, "seed": 5}
+#: Starting after "b" and with "a" raised by 3.5 more than "b", the tiny model
+#: still repeats "b" (it favours repeating its last token), but by less than
+#: a penalty of 2, so a penalty on "b" turns it to "a".
+B_THEN_A = {"prompt": [B], "logit_bias": {str(A): 53.5, str(B): 50}}
+
+#: The request-body key a field is read from, where it is not the field's name.
+#: `grammar` is compiled from `response_format` by the pipeline (not by
+#: `SamplingParams.from_body`), so that is the key that must act.
+BODY_KEYS = {"grammar": "response_format"}
+
+#: For every field of `SamplingParams`: (what both requests send, what only
+#: the first sends, what only the second sends). On top of `complete`'s
+#: defaults: greedy, 12 tokens, ignore_eos, "a" and "b" biased as in `AB`.
+CHANGES = {
+    "max_tokens": ({}, {}, {"max_tokens": 3}),
+    "temperature": ({"logit_bias": {}, "seed": 5}, {}, {"temperature": 2.0}),
+    "top_p": (HOT, {}, {"top_p": 1e-9}),
+    "top_k": (HOT, {}, {"top_k": 1}),
+    "min_p": (HOT, {}, {"min_p": 1.0}),
+    "presence_penalty": (B_THEN_A, {}, {"presence_penalty": 2.0}),
+    "frequency_penalty": ({}, {}, {"frequency_penalty": 2.0}),
+    "repetition_penalty": ({}, {}, {"repetition_penalty": 1.5}),
+    "logit_bias": ({}, {"logit_bias": {}}, {"logit_bias": AB}),
+    "seed": ({"logit_bias": {}, "temperature": 1.5}, {"seed": 11}, {"seed": 12}),
+    "stop": ({}, {}, {"stop": ["a", "b"]}),
+    "stop_token_ids": ({}, {}, {"stop_token_ids": [A, B]}),
+    "ignore_eos": ({"logit_bias": {str(EOS): 100}}, {}, {"ignore_eos": False}),
+    "n": ({}, {}, {"n": 3}),
+    "skip_special_tokens": ({"logit_bias": {str(IM_START): 100}}, {}, {"skip_special_tokens": False}),
+    "logprobs": ({}, {}, {"logprobs": 2}),
+    "grammar": ({}, {}, {"response_format": {"type": "json_object"}}),
+}
+
+
+def test_every_sampling_parameter_has_a_case():
+    fields = sorted(field.name for field in dataclasses.fields(SamplingParams))
+    assert sorted(CHANGES) == fields, "give every SamplingParams field a case in CHANGES"
+    for field, (_, first, second) in CHANGES.items():
+        # the two requests differ in this parameter and nothing else
+        assert set(first) | set(second) == {BODY_KEYS.get(field, field)}, field
+        assert first != second, field
 
 
 def test_from_body_reads_every_parameter():
@@ -23,6 +85,10 @@ def test_from_body_reads_every_parameter():
         frequency_penalty=0.4, repetition_penalty=1.2, logit_bias={5: -3.0}, seed=9, stop=("x",),
         stop_token_ids=(3,), ignore_eos=True, n=2, skip_special_tokens=False, logprobs=3,
     )
+    defaults = SamplingParams()
+    for field in dataclasses.fields(SamplingParams):
+        if field.name not in BODY_KEYS:  # every parameter of the body above was read
+            assert getattr(params, field.name) != getattr(defaults, field.name), field.name
     assert SamplingParams.from_body({"max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
     assert SamplingParams.from_body({"logprobs": True, "top_logprobs": 4}).logprobs == 4
     assert SamplingParams.from_body({"logprobs": False}).logprobs is None
@@ -31,14 +97,15 @@ def test_from_body_reads_every_parameter():
 
 @pytest.fixture
 async def complete(tiny_model, make_client):
+    assert tiny_model.tokenizer.encode("ab", add_special_tokens=False) == [A, B]
+    assert tiny_model.eos_token_ids[0] == EOS
     client = await make_client(tiny_model)
-    a, b = (tiny_model.tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab")
 
     async def run(**body):
         """Greedy by default, with tokens "a" and "b" far above all others."""
         body = {"model": "tiny", "prompt": "x", "max_tokens": 12, "temperature": 0,
                 "ignore_eos": True, **body}
-        body.setdefault("logit_bias", {str(a): 50, str(b): 50})
+        body.setdefault("logit_bias", AB)
         response = await client.post("/v1/completions", json=body)
         assert response.status == 200, await response.text()
         return await response.json()
@@ -50,16 +117,42 @@ async def complete(tiny_model, make_client):
     return run
 
 
+@pytest.mark.parametrize("field", sorted(CHANGES))
+async def test_each_parameter_changes_the_answer(complete, field):
+    shared, first, second = CHANGES[field]
+    answers = []
+    for only in (first, second):
+        twice = []
+        for _ in range(2):
+            answer = await complete(**shared, **only)
+            twice.append({"choices": answer["choices"], "usage": answer["usage"]})
+        # greedy or seeded, so a difference below is the parameter's doing
+        assert twice[0] == twice[1], only
+        answers.append(twice[0])
+    assert answers[0] != answers[1]
+
+
 async def test_penalties_break_repetition(complete):
     baseline = await complete.text()
     assert set(baseline) <= {"a", "b"} and len(baseline) == 12
-    # each "a" or "b" is 50 logits above the rest: the model alone picks between them
     for params in ({"frequency_penalty": 2.0}, {"repetition_penalty": 1.5}):
         penalized = await complete.text(**params)
         assert set(penalized) <= {"a", "b"}
         assert penalized != baseline, params
         longest_run = max(len(run) for run in penalized.replace("a", " a").replace("b", " b").split())
         assert longest_run < 12
+
+
+async def test_presence_penalty_counts_each_token_once(complete):
+    """presence_penalty lowers every token already generated by the same
+    amount, however often it came; frequency_penalty grows with the count."""
+    assert await complete.text(**B_THEN_A) == "b" * 12
+    # "b" is penalized after its first time, so "a" wins; from then on both
+    # carry the same penalty and the model keeps repeating "a"
+    assert await complete.text(**B_THEN_A, presence_penalty=2.0) == "b" + "a" * 11
+    # with frequency_penalty each further "a" costs more, until "b" wins again
+    frequency = await complete.text(**B_THEN_A, frequency_penalty=2.0)
+    assert frequency.startswith("ba") and "ab" in frequency
 
 
 async def test_bias_temperature_and_filters(complete):
@@ -80,20 +173,26 @@ async def test_seed_reproduces(complete):
     assert await complete.text(**hot, seed=12) != first
 
 
-async def test_stops_and_lengths(complete, tiny_model):
+async def test_stops_and_lengths(complete):
     baseline = await complete.text()
     cut = await complete(stop=[baseline[3:5]])
     assert cut["choices"][0]["text"] == baseline[: baseline.index(baseline[3:5])]
     assert cut["choices"][0]["finish_reason"] == "stop"
-    first = tiny_model.tokenizer.encode(baseline[0], add_special_tokens=False)[0]
+    first = VOCAB.index(baseline[0])
     stopped = await complete(stop_token_ids=[first])
     assert stopped["choices"][0]["text"] == "" and stopped["usage"]["completion_tokens"] == 1
     assert await complete.text(max_tokens=3) == baseline[:3]
-    eos = tiny_model.eos_token_ids[0]
-    ended = await complete(ignore_eos=False, logit_bias={str(eos): 100})
+    ended = await complete(ignore_eos=False, logit_bias={str(EOS): 100})
     assert ended["choices"][0]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] == 1
-    ignored = await complete(logit_bias={str(eos): 100})
+    ignored = await complete(logit_bias={str(EOS): 100})
     assert ignored["usage"]["completion_tokens"] == 12
+
+
+async def test_special_tokens_are_skipped_unless_asked(complete):
+    special = {"logit_bias": {str(IM_START): 100}, "max_tokens": 3}
+    skipped = await complete(**special)
+    assert skipped["choices"][0]["text"] == "" and skipped["usage"]["completion_tokens"] == 3
+    assert await complete.text(**special, skip_special_tokens=False) == "<|im_start|>" * 3
 
 
 async def test_n_and_logprobs(complete):

@@ -3,13 +3,16 @@ documentation of every hook."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
 
+import pluggy
 import pytest
 
 from lockgate import hookimpl, hookspecs
@@ -17,7 +20,11 @@ from lockgate.errors import PluginError
 from lockgate.plugin_manager import DEFAULT_PLUGINS, describe_plugins, get_plugin_manager
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HOOK_NAMES = sorted(name for name in vars(hookspecs) if name.startswith("lockgate_"))
+#: every function `lockgate.hookspecs` marks as a hookspec, by name
+HOOKSPECS = {
+    name: function for name, function in vars(hookspecs).items()
+    if hasattr(function, f"{hookspecs.PROJECT_NAME}_spec")
+}
 
 PLUGIN_SOURCE = '''
 from lockgate import hookimpl
@@ -113,7 +120,7 @@ def test_misspelled_hook_is_refused():
         def lockgate_validate_requests(self, request):
             pass
 
-    with pytest.raises(Exception, match="lockgate_validate_requests"):
+    with pytest.raises(pluggy.PluginValidationError, match="lockgate_validate_requests"):
         get_plugin_manager(autoload=False, plugins=[Typo()])
 
 
@@ -173,10 +180,29 @@ def test_cli_lists_plugins_and_hooks(installed_plugins):
     assert "    lockgate_render_prompt" in text
 
 
-@pytest.mark.parametrize("hook", HOOK_NAMES)
-def test_every_hook_is_documented_and_tested(hook):
+def readme_hook_sections() -> dict[str, str]:
+    """The README's `### `lockgate_...`` sections: hook name -> the text under it."""
     readme = (ROOT / "README.md").read_text()
-    assert f"### `{hook}`" in readme, f"README.md has no heading for {hook}"
+    parts = re.split(r"^### `(lockgate_\w+)`\n", readme, flags=re.M)
+    return {name: body.split("\n#", 1)[0] for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def test_readme_documents_only_real_hooks():
+    assert HOOKSPECS, "no hookspecs found"
+    assert sorted(readme_hook_sections()) == sorted(HOOKSPECS)
+
+
+@pytest.mark.parametrize("hook", sorted(HOOKSPECS))
+def test_every_hook_is_documented_and_tested(hook):
+    sections = readme_hook_sections()
+    assert hook in sections, f"README.md has no heading for {hook}"
+    # the section opens with the hook's arguments: "`(request, model) -> str` — ..."
+    documented = re.match(r"`\(([^)]*)\)", sections[hook])
+    assert documented, f"README.md's {hook} section does not open with its `(arguments)`"
+    names = [name.strip() for name in documented[1].split(",") if name.strip()]
+    assert names == list(inspect.signature(HOOKSPECS[hook]).parameters), (
+        f"README.md documents {hook}({', '.join(names)})"
+    )
     # a test "uses" a hook when it implements it in a plugin of its own
     used = f"def {hook}("
     tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
