@@ -105,11 +105,45 @@ SCHEMAS = st.sampled_from(
         {"enum": ["x", "y"]},
     ]
 )
+def _ref_chain(length: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(length)}
+    defs[f"d{length}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+#: schemas aimed at the grammar compiler's native code: deep recursion,
+#: huge repetition, pathological regexes, sizes past its limits
+HOSTILE_SCHEMAS = [
+    _ref_chain(10_000),
+    _ref_chain(255),
+    {"$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/b"}}, "b": {"$ref": "#/$defs/a"}},
+     "$ref": "#/$defs/a"},
+    {"$ref": "#"},
+    {"$ref": "#/$defs/missing"},
+    {"$ref": "http://169.254.169.254/latest/meta-data"},
+    _nested(120, {"type": "integer"}),
+    {"type": "string", "pattern": "^(a+)+$"},
+    {"type": "string", "pattern": "(a{1000}){1000}"},
+    {"type": "string", "pattern": "(" * 300 + "a" + ")" * 300},
+    {"type": "string", "pattern": "[" + "\\u0000-\\uffff" * 200 + "]"},
+    {"type": "string", "minLength": 10**9},
+    {"type": "array", "minItems": 10**9},
+    {"type": "integer", "minimum": 10**300, "maximum": -(10**300)},
+    {"type": "number", "multipleOf": 1e-300},
+    {"enum": [f"v{i}" for i in range(20_000)]},
+    {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3_000)},
+     "required": [f"p{i}" for i in range(3_000)]},
+    {"anyOf": [{"const": i} for i in range(5_000)]},
+    {"type": "string", "format": "\ud800"},
+    {"x-guidance": {"whitespace_flexible": True, "lenient": "yes"}, "type": "object"},
+    {"type": ["string", "integer", "null", "bogus"]},
+]
+
 RESPONSE_FORMATS = st.one_of(
     st.just({"type": "text"}),
     st.just({"type": "json_object"}),
     st.builds(lambda s, strict: {"type": "json_schema", "json_schema": {"name": "f", "schema": s, "strict": strict}},
-              SCHEMAS, st.booleans()),
+              st.one_of(SCHEMAS, SCHEMAS, st.sampled_from(HOSTILE_SCHEMAS)), st.booleans()),
 )
 SAMPLING = {
     "max_tokens": st.integers(min_value=1, max_value=8),

@@ -109,3 +109,23 @@ def test_no_generated_request_gets_a_5xx_a_malformed_answer_or_no_answer(fuzz_se
     assert outcomes["ok"] + outcomes["ok-stream"] > EXAMPLES // 10, outcomes
     assert outcomes["400"] > EXAMPLES // 10, outcomes
     assert_serving_and_idle(process, port)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_schemas_aimed_at_the_grammar_compiler(fuzz_server, stream):
+    """Every hostile schema, each to the same live process: deep `$ref`
+    chains, pathological regexes, sizes past llguidance's limits. A native
+    crash ends the server and fails here, not the test run."""
+    from fuzzing import HOSTILE_SCHEMAS
+
+    process, port = fuzz_server
+    seen = collections.Counter()
+    for i, schema in enumerate(HOSTILE_SCHEMAS):
+        body = {"model": "tiny", "max_tokens": 4, "stream": stream, "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+        case = Case("POST", CHAT, json.dumps(body).encode(), "application/json", f"hostile schema {i}", body)
+        status, headers, data = send("127.0.0.1", port, case, timeout=DEADLINE_SECONDS)
+        seen[check_answer(case, status, headers, data)] += 1
+        assert process.poll() is None, f"the server died with {process.returncode} on hostile schema {i}"
+    assert seen["400"] >= len(HOSTILE_SCHEMAS) // 2, seen
+    assert_serving_and_idle(process, port)
