@@ -71,6 +71,14 @@ class AuthenticationError(LockgateError):
     code = "invalid_api_key"
 
 
+class OriginNotAllowed(LockgateError):
+    """A browser's CORS preflight from an origin not in `--allowed-origins` (403)."""
+
+    status = 403
+    type = "permission_error"
+    code = "origin_not_allowed"
+
+
 class ModelNotFound(LockgateError):
     """The request names a model this server does not serve (404)."""
 
@@ -101,6 +109,14 @@ class RequestTooLarge(LockgateError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class UnsupportedMediaType(LockgateError):
+    """The body is not declared as JSON (415)."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class Overloaded(LockgateError):

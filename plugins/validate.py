@@ -15,6 +15,11 @@ from lockgate.hookspecs import hookimpl
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
+#: messages in one chat request (OpenAI's own limit)
+MAX_MESSAGES = 2048
+#: characters of text in one request's messages or prompts, checked before
+#: the template and the tokenizer spend time on it
+MAX_TEXT_CHARS = 1_000_000
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -66,6 +71,10 @@ def check_messages(body):
         )
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequestError(
+            f"messages holds {len(messages)} messages; the limit is {MAX_MESSAGES}", param="messages"
+        )
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -103,6 +112,30 @@ def check_messages(body):
                 )
             if not isinstance(part.get("text"), str):
                 raise InvalidRequestError(f"{part_where}.text must be a string", param=part_where)
+    check_text_size(
+        "messages",
+        (
+            text
+            for message in messages
+            for text in (
+                [message.get("name") or ""]
+                + ([message["content"]] if isinstance(message["content"], str)
+                   else [part["text"] for part in message["content"]])
+            )
+        ),
+    )
+
+
+def check_text_size(param, texts) -> None:
+    """The texts of `param` together hold at most `MAX_TEXT_CHARS` characters."""
+    total = 0
+    for text in texts:
+        total += len(text)
+        if total > MAX_TEXT_CHARS:
+            raise InvalidRequestError(
+                f"{param} holds more than {MAX_TEXT_CHARS} characters of text; that is the limit",
+                param=param,
+            )
 
 
 def _check_token_ids(ids, vocab_size, where):
@@ -125,6 +158,7 @@ def check_prompt(body, vocab_size):
     if prompt is None:
         raise InvalidRequestError("prompt is required", param="prompt")
     if isinstance(prompt, str):
+        check_text_size("prompt", [prompt])
         return
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequestError(
@@ -133,6 +167,7 @@ def check_prompt(body, vocab_size):
             param="prompt",
         )
     if all(isinstance(p, str) for p in prompt):
+        check_text_size("prompt", prompt)
         return
     if all(isinstance(p, list) for p in prompt):
         for i, ids in enumerate(prompt):
@@ -222,6 +257,13 @@ def check_response_format(body):
 def check_unsupported(body, chat):
     if body.get("tools") or body.get("functions"):
         raise UnsupportedParameter("tools are not supported by this server", param="tools")
+    if "chat_template" in body:
+        # the template is the server's (--chat-template); a client's own
+        # would be code this server runs
+        raise UnsupportedParameter(
+            "chat_template cannot be set by a request; the server's operator sets it with --chat-template",
+            param="chat_template",
+        )
     if not chat:
         if body.get("echo"):
             raise UnsupportedParameter("echo is not supported by this server", param="echo")

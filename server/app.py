@@ -28,6 +28,7 @@ from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS
 
 from lockgate.server.middlewares import (
     api_key_middleware,
+    cors_preflight_middleware,
     error_middleware,
     request_id_middleware,
     set_request_id_header,
@@ -52,7 +53,7 @@ def create_app(
     settings = settings or Settings.from_env()
     pm = pm or get_plugin_manager()
     app = web.Application(
-        middlewares=[request_id_middleware, error_middleware, api_key_middleware],
+        middlewares=[request_id_middleware, error_middleware, cors_preflight_middleware, api_key_middleware],
         client_max_size=settings.max_body_size,
     )
     app[SETTINGS] = settings

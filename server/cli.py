@@ -31,6 +31,14 @@ def serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         dest="api_keys",
         help="required bearer key(s), comma separated (env LOCKGATE_API_KEY)",
     )
+    parser.add_argument(
+        "--allowed-origins",
+        help="browser origins allowed to call the API (CORS), comma separated, or '*' (default none)",
+    )
+    parser.add_argument(
+        "--metrics-public", action="store_const", const=True,
+        help="serve /metrics without the API key (default: it needs the key when keys are set)",
+    )
     parser.add_argument("--max-body-size", type=int, help=f"bytes (default {d.max_body_size})")
     parser.add_argument("--executor", help=f"executor plugin (default {d.executor})")
     parser.add_argument("--target", choices=["auto", "llvm", "cuda"], help="compile target (default auto)")

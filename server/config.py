@@ -25,6 +25,10 @@ class Settings:
     chat_template: Path | None = None
     #: accepted bearer keys; empty means no authentication
     api_keys: tuple[str, ...] = ()
+    #: browser origins allowed to call the API (CORS); "*" for any; empty for none
+    allowed_origins: tuple[str, ...] = ()
+    #: serve /metrics without the API key
+    metrics_public: bool = False
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
     executor: str = "tvm"
     target: str = "auto"
@@ -54,8 +58,9 @@ class Settings:
             if raw is not None and raw != "":
                 values[field.name] = _parse(field, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if isinstance(values.get("api_keys"), str):
-            values["api_keys"] = _parse_keys(values["api_keys"])
+        for name in _LIST_FIELDS:
+            if isinstance(values.get(name), str):
+                values[name] = _parse_keys(values[name])
         return cls(**values)
 
     def executor_options(self, progress=None) -> ExecutorOptions:
@@ -77,14 +82,24 @@ class Settings:
         )
 
 
+#: fields given as comma-separated lists
+_LIST_FIELDS = ("api_keys", "allowed_origins")
+
+
 def _parse_keys(raw: str) -> tuple[str, ...]:
     return tuple(key.strip() for key in raw.split(",") if key.strip())
 
 
 def _parse(field: dataclasses.Field, raw: str):
     kind = str(field.type)
-    if field.name == "api_keys":
+    if field.name in _LIST_FIELDS:
         return _parse_keys(raw)
+    if kind.startswith("bool"):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"LOCKGATE_{field.name.upper()} must be true or false, got {raw!r}")
     if "Path" in kind:
         return Path(raw)
     if kind.startswith("int"):

@@ -1,4 +1,5 @@
-"""Middlewares: request id and summary log line, the error middleware, API keys.
+"""Middlewares: request id and summary log line, the error middleware, CORS,
+API keys.
 
 The error middleware is the only place that turns exceptions into HTTP
 responses. It asks `lockgate_handle_exception` (plugins first, the built-in
@@ -21,6 +22,7 @@ from lockgate.errors import (
     InvalidRequestError,
     LockgateError,
     MethodNotAllowed,
+    OriginNotAllowed,
     RequestTooLarge,
     RouteNotFound,
 )
@@ -38,8 +40,10 @@ from lockgate.server.keys import (
 log = structlog.get_logger("lockgate.server")
 
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-#: routes answered without an API key
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: routes answered without an API key (and /metrics with --metrics-public)
+OPEN_PATHS = frozenset({"/health"})
+#: how long a browser may cache a preflight answer
+CORS_MAX_AGE_SECONDS = 600
 
 
 def new_request_id() -> str:
@@ -81,10 +85,44 @@ async def request_id_middleware(request: web.Request, handler):
 
 async def set_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: every response, streamed or not, error or not,
-    carries `x-request-id`."""
+    carries `x-request-id`, and the CORS headers when its origin is allowed."""
     request_id = request.get(REQUEST_ID)
     if request_id is not None:
         response.headers["x-request-id"] = request_id
+    origin = request.headers.get("Origin")
+    if origin is not None and _origin_allowed(request, origin):
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Access-Control-Expose-Headers"] = "x-request-id, Retry-After"
+        response.headers.add("Vary", "Origin")
+
+
+def _origin_allowed(request: web.Request, origin: str) -> bool:
+    allowed = request.app[SETTINGS].allowed_origins
+    return "*" in allowed or origin in allowed
+
+
+@web.middleware
+async def cors_preflight_middleware(request: web.Request, handler):
+    """Answers browsers' CORS preflights (`OPTIONS` with
+    `Access-Control-Request-Method`) before the API key is asked for, since a
+    browser never sends credentials with one: 204 for an origin in
+    `--allowed-origins`, 403 otherwise. The other responses get their CORS
+    headers in `set_request_id_header`."""
+    origin = request.headers.get("Origin")
+    if request.method != "OPTIONS" or origin is None or "Access-Control-Request-Method" not in request.headers:
+        return await handler(request)
+    if not _origin_allowed(request, origin):
+        raise OriginNotAllowed(
+            f"the origin {origin} may not call this server; start it with --allowed-origins to allow it"
+        )
+    headers = {
+        "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+        "Access-Control-Max-Age": str(CORS_MAX_AGE_SECONDS),
+    }
+    requested = request.headers.get("Access-Control-Request-Headers")
+    if requested:
+        headers["Access-Control-Allow-Headers"] = requested
+    return web.Response(status=204, headers=headers)
 
 
 def error_from_http_exception(request: web.Request, exc: web.HTTPException) -> Exception:
@@ -151,13 +189,17 @@ async def error_middleware(request: web.Request, handler):
 
 @web.middleware
 async def api_key_middleware(request: web.Request, handler):
-    """When API keys are configured, every route but `/health` needs
-    `Authorization: Bearer <key>`; keys are compared in constant time."""
-    keys = request.app[SETTINGS].api_keys
-    if keys and request.path not in OPEN_PATHS:
+    """When API keys are configured, every route but `/health` (and
+    `/metrics` with `--metrics-public`) needs `Authorization: Bearer <key>`;
+    keys are compared in constant time and never logged."""
+    settings = request.app[SETTINGS]
+    keys = settings.api_keys
+    open_path = request.path in OPEN_PATHS or settings.metrics_public and request.path == "/metrics"
+    if keys and not open_path:
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")
-        given_bytes = given.strip().encode()
+        # aiohttp keeps undecodable header bytes as surrogates: encode them back
+        given_bytes = given.strip().encode("utf-8", "surrogateescape")
         matched = False
         for key in keys:
             # no early exit: every key is compared whatever the outcome

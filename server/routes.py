@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lockgate.engine import RequestHandle, Usage
-from lockgate.errors import InvalidRequestError, ModelNotFound, Unavailable
+from lockgate.errors import InvalidRequestError, ModelNotFound, Unavailable, UnsupportedMediaType
 from lockgate.pipeline import run_pipeline
 from lockgate.types import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, Request
 from lockgate.server.keys import METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, USAGE
@@ -34,7 +34,22 @@ def _reject_constant(name: str):
 
 
 async def read_json_body(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object; 400 for anything else (413 comes from aiohttp)."""
+    """The body as a JSON object; 400 for anything else (413 comes from aiohttp).
+
+    The body must be declared JSON (415 otherwise): besides saying what the
+    server reads, this keeps a web page from posting to the API without the
+    CORS preflight that `--allowed-origins` governs, since a browser sends
+    form and text bodies cross-origin unasked.
+    """
+    content_type = request.content_type  # application/octet-stream when absent
+    if not (content_type == "application/json" or content_type.endswith("+json")):
+        raise UnsupportedMediaType(
+            f"the request body must be JSON, sent with 'Content-Type: application/json' "
+            f"(got {request.headers.get('Content-Type', 'no Content-Type')!r})"
+        )
+    charset = request.charset
+    if charset is not None and charset.lower().replace("-", "") != "utf8":
+        raise UnsupportedMediaType(f"JSON bodies must be UTF-8, not {charset!r}")
     raw = await request.read()
     try:
         text = raw.decode("utf-8")

@@ -252,7 +252,7 @@ async def test_metrics_track_requests_and_return_to_zero(load_tiny, make_client)
     await streaming.content.readline()
 
     async def metrics_text():
-        return await (await client.get("/metrics")).text()  # open, like /health
+        return await (await client.get("/metrics", headers=auth)).text()  # behind the key, unlike /health
 
     async def generating():  # the first line is sent before the engine admits the request
         text = await metrics_text()

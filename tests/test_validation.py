@@ -19,6 +19,14 @@ def completion(**fields):
 
 BAD = [
     (CHAT, chat(messages=[]), "messages", "invalid_value"),
+    # request-level caps, before the template and tokenizer spend time
+    (CHAT, chat(messages=MESSAGES * 2049), "messages", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x" * 600_000}] * 2), "messages", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x" * 500_001}] * 2}]),
+     "messages", "invalid_value"),
+    (COMPLETIONS, completion(prompt="x" * 1_000_001), "prompt", "invalid_value"),
+    (COMPLETIONS, completion(prompt=["x" * 500_000, "y" * 500_001]), "prompt", "invalid_value"),
+    (CHAT, chat(chat_template="{{ messages }}"), "chat_template", "unsupported_parameter"),
     (CHAT, chat(messages=None), "messages", "invalid_value"),
     (CHAT, chat(messages=["hi"]), "messages[0]", "invalid_value"),
     (CHAT, chat(messages=[{"role": "user"}]), "messages[0].content", "invalid_value"),
