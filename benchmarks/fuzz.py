@@ -42,7 +42,7 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--max-cases", type=int, default=10**9, help="stop after this many cases")
     parser.add_argument("--seed", type=int, default=None, help="default: random, printed")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take")
     parser.add_argument("--api-key", default=None)
     args = parser.parse_args()
 

@@ -267,7 +267,9 @@ def cases(draw, model: str = "tiny") -> Case:
         body = {**body, name: draw(FIELD_VALUES)}
         mutation = f"add {name}"
     elif kind == "drop" and body:
-        name = draw(st.sampled_from(sorted(body)))
+        # not max_tokens: without it a request generates until the context is
+        # full, which on a CPU takes minutes and is no fault
+        name = draw(st.sampled_from(sorted(set(body) - {"max_tokens"})))
         body = {k: v for k, v in body.items() if k != name}
         mutation = f"drop {name}"
     data = _encode(body, draw(st.booleans()))
