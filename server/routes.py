@@ -25,8 +25,18 @@ log = structlog.get_logger("lockgate.server")
 
 #: how often a waiting handler checks whether its client is still there
 DISCONNECT_POLL_SECONDS = 0.5
+#: deltas a stream may hold unsent while its client does not read before its
+#: request is aborted (the engine generates no further for it)
+STREAM_BACKLOG_LIMIT = 512
+#: seconds one write to a stream may wait for a client that does not read
+#: before the connection is closed
+STREAM_WRITE_TIMEOUT_SECONDS = 60.0
 
 routes = web.RouteTableDef()
+
+
+class ClientTooSlow(Exception):
+    """A streaming client fell `STREAM_BACKLOG_LIMIT` deltas behind."""
 
 
 def _reject_constant(name: str):
@@ -137,37 +147,62 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def _merged(request: web.Request, handles: list[RequestHandle]):
-    """Deltas of all handles as they come; stops early if the client leaves."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+class _MergedDeltas:
+    """The deltas of all handles of one HTTP request, as they come.
 
-    async def pump(handle: RequestHandle) -> None:
+    Pumping starts at construction, before anything is written, so that a
+    client that never reads is noticed even while the first write waits:
+    past `STREAM_BACKLOG_LIMIT` unread deltas its request is aborted.
+    Iterating stops early, with `ConnectionResetError`, if the client leaves.
+    """
+
+    _DONE = object()
+
+    def __init__(self, request: web.Request, handles: list[RequestHandle]) -> None:
+        self._request = request
+        self._handles = handles
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.ensure_future(self._pump(h)) for h in handles]
+
+    async def _pump(self, handle: RequestHandle) -> None:
+        queue = self._queue
         try:
             async for delta in handle:
                 await queue.put(delta)
+                # let the writer take it: deltas pile up only while it waits
+                # on a client that does not read
+                await asyncio.sleep(0)
+                if queue.qsize() > STREAM_BACKLOG_LIMIT:
+                    # stop generating for it rather than buffer without end
+                    log.warning("client too slow: request aborted", backlog=queue.qsize())
+                    for each in self._handles:
+                        each.abort()
+                    raise ClientTooSlow(f"more than {STREAM_BACKLOG_LIMIT} deltas unread")
         except Exception as exc:
             await queue.put(exc)
-        await queue.put(done)
+        await queue.put(self._DONE)
 
-    tasks = [asyncio.ensure_future(pump(h)) for h in handles]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            try:
-                item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
-            except TimeoutError:
-                if _client_gone(request):
-                    raise ConnectionResetError("the client disconnected") from None
-                continue
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
+    async def __aiter__(self):
+        remaining = len(self._tasks)
+        try:
+            while remaining:
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_SECONDS)
+                except TimeoutError:
+                    if _client_gone(self._request):
+                        raise ConnectionResetError("the client disconnected") from None
+                    continue
+                if item is self._DONE:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for task in self._tasks:
             task.cancel()
 
 
@@ -212,7 +247,7 @@ async def _collect(request, handles, builder: ResponseBuilder) -> web.Response:
         for i in range(handle.work.params.n):
             texts[handle.work.choice_offset + i] = []
             logprobs[handle.work.choice_offset + i] = None if handle.work.params.logprobs is None else []
-    async for delta in _merged(request, handles):
+    async for delta in _MergedDeltas(request, handles):
         texts[delta.index].append(delta.text)
         if delta.logprobs:
             logprobs[delta.index].extend(delta.logprobs)
@@ -228,18 +263,33 @@ async def _stream(request, body, handles, builder: ResponseBuilder) -> web.Strea
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     response.enable_chunked_encoding()
+    deltas = _MergedDeltas(request, handles)
     await response.prepare(request)
 
     async def send(payload: Any) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-        await response.write(f"data: {data}\n\n".encode())
+        try:
+            await asyncio.wait_for(response.write(f"data: {data}\n\n".encode()), STREAM_WRITE_TIMEOUT_SECONDS)
+        except TimeoutError:
+            # a client that stopped reading but keeps its connection open
+            log.info("client stopped reading: its stream is closed")
+            if request.transport is not None:
+                request.transport.close()
+            raise ConnectionResetError("the client stopped reading") from None
 
+    try:
+        return await _write_stream(request, response, send, deltas, handles, builder, include_usage)
+    finally:
+        deltas.close()
+
+
+async def _write_stream(request, response, send, deltas, handles, builder, include_usage):
     try:
         if builder.chat:
             for handle in handles:
                 for i in range(handle.work.params.n):
                     await send(builder.role_chunk(handle.work.choice_offset + i, include_usage))
-        async for delta in _merged(request, handles):
+        async for delta in deltas:
             # A token whose text is held back (an incomplete UTF-8 sequence, a
             # possible start of a stop string) still has its logprobs: they go
             # out now, in a chunk with empty text.
@@ -249,6 +299,11 @@ async def _stream(request, body, handles, builder: ResponseBuilder) -> web.Strea
             await send(builder.usage_chunk(_usage(handles)))
     except ConnectionResetError:
         log.info("client disconnected mid-stream")
+        return response
+    except ClientTooSlow:
+        log.info("client too slow: its stream is closed")
+        if request.transport is not None:
+            request.transport.close()
         return response
     except Exception as exc:
         # headers are gone: the error travels inside the stream

@@ -168,3 +168,50 @@ async def test_what_the_http_parser_refuses_is_a_400_and_the_server_serves_on(ti
     writer.close()
     assert answer.split(b"\r\n", 1)[0].split()[1] == b"400", answer[:300]
     await assert_still_serving(client)
+
+
+async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(
+    load_tiny, make_client, monkeypatch, caplog
+):
+    """A stream whose writes never complete (a client that keeps its
+    connection open and reads nothing) neither holds up another stream nor
+    keeps generating: past the backlog limit its request is aborted and its
+    KV pages freed, and past the write timeout its connection is closed."""
+    import asyncio
+
+    from aiohttp import web
+
+    from conftest import wait_idle
+    from lockgate.server import routes
+
+    monkeypatch.setattr(routes, "STREAM_BACKLOG_LIMIT", 8)
+    monkeypatch.setattr(routes, "STREAM_WRITE_TIMEOUT_SECONDS", 2.0)
+    write = web.StreamResponse.write
+    stuck = asyncio.Event()
+
+    async def write_unless_stuck(self, data):
+        if self._req is not None and self._req.headers.get("x-stuck"):
+            stuck.set()
+            await asyncio.Event().wait()  # never returns: the client reads nothing
+        return await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write_unless_stuck)
+    model = load_tiny()
+    client = await make_client(model)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
+            "ignore_eos": True, "stream": True}
+    slow = asyncio.ensure_future(client.post(CHAT, json=body, headers={"x-stuck": "1"}))
+    await asyncio.wait_for(stuck.wait(), 30)
+    normal = await client.post(CHAT, json={**body, "max_tokens": 40})
+    text = await normal.text()
+    assert normal.status == 200 and text.rstrip().endswith("data: [DONE]")
+    stats = await wait_idle(model.engine)
+    assert stats["kv_pages_used"] == 0 and stats["requests_running"] == 0, stats
+    assert "client too slow: request aborted" in caplog.text
+    # the stuck stream's connection is closed once its write times out
+    try:
+        answer = await asyncio.wait_for(slow, 30)
+        await asyncio.wait_for(answer.read(), 30)
+    except Exception:  # noqa: BLE001 - a cut connection is what is expected
+        pass
+    assert "client stopped reading: its stream is closed" in caplog.text
