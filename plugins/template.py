@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jinja2
+from jinja2.exceptions import SecurityError
 
 from lockgate.errors import InvalidMessages, InvalidRequestError
 from lockgate.hookspecs import hookimpl
@@ -34,6 +35,11 @@ def lockgate_render_prompt(request, model):
         return model.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
         )
+    except (jinja2.TemplateSyntaxError, SecurityError):
+        # the template itself is broken or tried what the sandbox forbids:
+        # the operator's fault whatever the conversation, so a 500
+        raise
     except jinja2.TemplateError as exc:
-        # the template refused this conversation (e.g. roles must alternate)
-        raise InvalidMessages(str(exc), param="messages") from exc
+        # the template refused this conversation (raise_exception: "roles must
+        # alternate"), or needs a field these messages lack
+        raise InvalidMessages(f"the chat template refused the messages: {exc}", param="messages") from exc

@@ -66,6 +66,24 @@ COMPLETIONS = "/v1/completions"
 LONE = "a\\ud800b"
 
 
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for message in messages %}{{ message['content'] }}",  # never closed: a syntax error
+        "{{ messages.__class__.__mro__[1].__subclasses__() }}",  # what the sandbox forbids
+    ],
+    ids=["syntax-error", "sandbox-escape"],
+)
+async def test_a_broken_template_is_the_servers_fault_not_the_clients(load_tiny, make_client, template, caplog):
+    """The same conversation a working template renders: a 500 (the openai
+    SDK retries it, and the operator's log says why), not a 400 that would
+    blame the client."""
+    client = await make_client(load_tiny(chat_template=template))
+    error = await assert_error(await client.post(CHAT, json=GOOD), 500, "server_error", "internal_error")
+    assert "template" not in error["message"]  # details stay in the log
+    assert "Template" in caplog.text or "Security" in caplog.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     "route, body, param",
