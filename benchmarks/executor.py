@@ -19,8 +19,9 @@ is not a lockgate dependency. Install it for a measurement with
 
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36
 
-Both sides get a KV cache of `--total-tokens` (the server's default 16384)
-and 16 sequences. Other load on the machine skews both sides alike only when
+Both sides get a KV cache of `--total-tokens` (16384 here: twice the
+server's default of 8192, so that 16 sequences of 1,024 tokens fit) and 16
+sequences. Other load on the machine skews both sides alike only when
 they run close together: compare the ratios of one run.
 
     python benchmarks/executor.py [--threads N] [--model PATH] [--no-llama-cpp]

@@ -104,6 +104,8 @@ class RequestResult:
     latency: float | None = None
     tokens: int = 0
     token_source: str | None = None  # "usage" or "chunks"
+    #: the prompt's tokens as the server counted them (its usage), or None
+    prompt_tokens: int | None = None
 
     @property
     def decode_tps(self) -> float | None:
@@ -165,6 +167,7 @@ async def stream_one(
     started = time.perf_counter()
     first: float | None = None
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None
     content_chunks = 0
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
@@ -190,6 +193,8 @@ async def stream_one(
                 usage = chunk.get("usage")
                 if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
+                    if usage.get("prompt_tokens") is not None:
+                        prompt_tokens = int(usage["prompt_tokens"])
             if not done:
                 return RequestResult(ok=False, error="truncated", detail="stream ended without [DONE]")
     except TimeoutError:
@@ -206,6 +211,7 @@ async def stream_one(
         latency=ended - started,
         tokens=tokens,
         token_source=source,
+        prompt_tokens=prompt_tokens,
     )
 
 
@@ -244,6 +250,9 @@ class LevelResult:
             "skipped": self.skipped,
             "wall_s": self.wall,
             "output_tokens": tokens,
+            # equal work on both sides: the prompts as each server tokenized them
+            "prompt_tokens": sum(r.prompt_tokens for r in ok if r.prompt_tokens is not None)
+            if any(r.prompt_tokens is not None for r in ok) else None,
             "token_sources": sorted({r.token_source for r in ok if r.token_source}),
             "output_tps": tokens / self.wall if self.wall > 0 else None,
             "ttft_p50": pct(ttfts, 50),
@@ -441,14 +450,15 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 0) -> str:
 
 
 COLUMNS = (
-    ("server", 16), ("conc", 4), ("ok", 4), ("errors", 10), ("out tok/s", 9),
+    ("server", 16), ("conc", 4), ("ok", 4), ("errors", 10), ("prompt tok", 10), ("out tok", 7), ("out tok/s", 9),
     ("ttft p50", 8), ("p90", 7), ("p99", 7), ("e2e p50", 7), ("p90", 7), ("p99", 7), ("dec tok/s", 9),
 )
 
 
 def table_header() -> str:
     head = " ".join(f"{name:>{width}}" if i else f"{name:<{width}}" for i, (name, width) in enumerate(COLUMNS))
-    note = "(ttft in ms, e2e in s; dec tok/s is the per-request p50)"
+    note = ("(prompt tok and out tok: totals as each server counted them; ttft in ms, e2e in s; "
+            "dec tok/s is the per-request p50)")
     return f"{head}\n{note}"
 
 
@@ -459,7 +469,8 @@ def table_row(s: dict[str, Any]) -> str:
     # A trailing `~` says some tokens were counted from chunks, not from usage.
     approx = "~" if "chunks" in s["token_sources"] else ""
     cells = (
-        s["server"], s["concurrency"], s["ok"], errors, fmt(s["output_tps"], digits=1) + approx,
+        s["server"], s["concurrency"], s["ok"], errors, fmt(s["prompt_tokens"]), s["output_tokens"],
+        fmt(s["output_tps"], digits=1) + approx,
         fmt(s["ttft_p50"], 1000), fmt(s["ttft_p90"], 1000), fmt(s["ttft_p99"], 1000),
         fmt(s["latency_p50"], digits=2), fmt(s["latency_p90"], digits=2), fmt(s["latency_p99"], digits=2),
         fmt(s["decode_tps_p50"], digits=1),

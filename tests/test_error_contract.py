@@ -1,4 +1,4 @@
-"""Every row of DESIGN.md's error table, and hostile bodies, answered in the
+"""Every row of the README's error table, and hostile bodies, answered in the
 OpenAI error shape with `x-request-id`, the server serving on afterwards."""
 
 from __future__ import annotations
