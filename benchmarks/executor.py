@@ -7,15 +7,24 @@ interface by the same timing code:
 * prefill of a 256-token prompt (tok/s, median of repeats);
 * decode at batch 1, 4 and 16 (total tok/s over all sequences);
 * decode at batch 1 after a 2048-token context;
-* peak RSS and the RSS after the runs ("steady");
+* memory at equal KV capacity and equal fill: the RSS right after loading
+  ("after load": weights and runtime, plus the KV cache where an engine
+  allocates it up front, as llama.cpp does) and the RSS with every one of 16
+  sequences filled to its share of the cache ("KV full"), and the peak;
 * start time: lockgate cold (empty compile cache, so it compiles) and warm
   (cache hit); llama.cpp's model and context load, first and later.
 
 Each engine runs `--rounds` times, alternating with the other; the table
 shows the best throughput of the rounds and the largest RSS.
 
-llama.cpp is measured when `llama_cpp` (llama-cpp-python) is importable; it
-is not a lockgate dependency. Install it for a measurement with
+llama.cpp is measured in both of its KV cache modes: unified (one cache
+shared by all sequences, as lockgate's paged cache is) and split (its
+default: each of the 16 sequences owns n_ctx / 16 tokens, so its context is
+sized for the 2048-token row: 16 x 2304). The table keeps, per row, whichever
+mode was faster and names it; memory is compared at the unified mode's
+capacity, equal to lockgate's. llama.cpp is measured when `llama_cpp`
+(llama-cpp-python) is importable; it is not a lockgate dependency. Install it
+for a measurement with
 
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36
 
@@ -108,10 +117,12 @@ class LockgateRunner:
 
 
 class LlamaCppRunner:
-    """llama.cpp through llama-cpp-python's C API: one context with a unified
-    KV cache shared by up to 16 sequences, batches built by hand."""
+    """llama.cpp through llama-cpp-python's C API: one context for up to 16
+    sequences, batches built by hand; the KV cache unified (shared by all
+    sequences) or split (llama.cpp's default: n_ctx / 16 each)."""
 
     name = "llama.cpp"
+    unified = True
 
     def __init__(self, path: pathlib.Path, threads: int, total_tokens: int, cache_dir=None):
         import llama_cpp
@@ -122,11 +133,12 @@ class LlamaCppRunner:
         if not self.model:
             raise RuntimeError(f"llama.cpp cannot load {path}")
         params = L.llama_context_default_params()
-        params.n_ctx = total_tokens
+        per_sequence = split_capacity(total_tokens)
+        params.n_ctx = total_tokens if self.unified else per_sequence * max(BATCHES)
         params.n_batch = params.n_ubatch = self.chunk = 512
         params.n_seq_max = max(BATCHES)
         params.n_threads = params.n_threads_batch = threads
-        params.kv_unified = True
+        params.kv_unified = self.unified
         self.ctx = L.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp cannot create its context")
@@ -177,7 +189,37 @@ class LlamaCppRunner:
         return self._run([(s, t, True) for s, t in zip(seq_ids, tokens)])
 
 
-RUNNERS = {"lockgate": LockgateRunner, "llama.cpp": LlamaCppRunner}
+class LlamaCppSplitRunner(LlamaCppRunner):
+    name = "llama.cpp split"
+    unified = False
+
+
+def split_capacity(total_tokens: int) -> int:
+    """Tokens each of 16 sequences owns in llama.cpp's split mode: its share
+    of `total_tokens`, but at least room for the 2048-token row."""
+    return max(total_tokens // max(BATCHES), LONG_CONTEXT + 256)
+
+
+RUNNERS = {"lockgate": LockgateRunner, "llama.cpp": LlamaCppRunner, "llama.cpp split": LlamaCppSplitRunner}
+
+
+def fill_kv(runner, vocab_size: int, total_tokens: int) -> float:
+    """Fill 16 sequences to their equal share of a `total_tokens` cache (less
+    a page, the last one partly used); returns the RSS then (MiB)."""
+    rng = np.random.default_rng(1)
+    share = total_tokens // max(BATCHES) - 16
+    ids = list(range(300, 300 + max(BATCHES)))
+    for seq_id in ids:
+        runner.add_sequence(seq_id)
+        filled = 0
+        while filled < share:
+            n = min(runner.chunk, share - filled)
+            runner.prefill([seq_id], [rng.integers(100, vocab_size, n).tolist()])
+            filled += n
+    rss = current_rss_mib()
+    for seq_id in ids:
+        runner.remove_sequence(seq_id)
+    return rss
 
 
 # measurements ------------------------------------------------------------------
@@ -235,10 +277,10 @@ def child(args) -> None:
     """Run one engine and print its figures as one JSON line."""
     started = time.perf_counter()
     runner = RUNNERS[args.child](args.model, args.threads, args.total_tokens, args.cache_dir)
-    out = {"start_s": time.perf_counter() - started}
+    out = {"start_s": time.perf_counter() - started, "RSS after load MiB": current_rss_mib()}
     if not args.start_only:
         out.update(measure(runner, runner.vocab_size, args.decode_steps, args.repeats))
-        out["steady RSS MiB"] = current_rss_mib()
+        out["RSS KV full MiB"] = fill_kv(runner, runner.vocab_size, args.total_tokens)
     out["peak RSS MiB"] = peak_rss_mib()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -305,11 +347,11 @@ def main() -> None:
     except ImportError:
         with_llama = False
     print(f"model {args.model.name}, {args.threads} threads, load average before {uptime()}")
-    engines = ["lockgate", "llama.cpp"] if with_llama else ["lockgate"]
+    engines = ["lockgate", "llama.cpp", "llama.cpp split"] if with_llama else ["lockgate"]
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     starts = {}
     with tempfile.TemporaryDirectory(prefix="lockgate-bench-") as cold_cache:
-        cache = {"lockgate": pathlib.Path(cold_cache), "llama.cpp": None}
+        cache = {"lockgate": pathlib.Path(cold_cache), "llama.cpp": None, "llama.cpp split": None}
         for name in engines:
             first = run_child(name, args, cache[name], start_only=True)
             starts[name] = [first["start_s"]]
@@ -329,15 +371,26 @@ def main() -> None:
     starts = {name: (times[0], rows[name]["start_s"]) for name, times in starts.items()}
 
     keys = ["prefill 256", *(f"decode B={b}" for b in BATCHES), f"B=1 @ctx {LONG_CONTEXT}"]
-    header = f"| {'tok/s':<18} | " + " | ".join(f"{name:>10}" for name in rows)
+    memory = ["RSS after load MiB", "RSS KV full MiB", "peak RSS MiB"]
+    header = f"| {'tok/s':<18} | " + " | ".join(f"{name:>15}" for name in rows)
     if with_llama:
-        header += " | lockgate / llama.cpp"
+        header += " | lockgate / best llama.cpp (mode)"
+    print(f"KV cache: {args.total_tokens} tokens for lockgate and llama.cpp unified; llama.cpp split: "
+          f"16 x {split_capacity(args.total_tokens)}. KV full: 16 sequences of "
+          f"{args.total_tokens // max(BATCHES) - 16} tokens on each.")
     print(header)
     print("|" + "---|" * (len(rows) + 1 + with_llama))
-    for key in [*keys, "steady RSS MiB", "peak RSS MiB"]:
-        line = f"| {key:<18} | " + " | ".join(f"{row[key]:>10.1f}" for row in rows.values())
+    for key in [*keys, *memory]:
+        line = f"| {key:<18} | " + " | ".join(f"{row[key]:>15.1f}" for row in rows.values())
         if with_llama:
-            line += f" | {rows['lockgate'][key] / rows['llama.cpp'][key]:.2f}"
+            if key in memory:
+                # at equal capacity: the unified mode, sized like lockgate's cache
+                line += f" | {rows['lockgate'][key] / rows['llama.cpp'][key]:.2f} (unified)"
+            else:
+                # throughput: whichever llama.cpp mode did better on this row
+                best = max(("llama.cpp", "llama.cpp split"), key=lambda name: rows[name][key])
+                mode = "unified" if best == "llama.cpp" else "split"
+                line += f" | {rows['lockgate'][key] / rows[best][key]:.2f} ({mode})"
         print(line)
     for name, (first, again) in starts.items():
         label = "cold (compile) / warm" if name == "lockgate" else "first / later load"
