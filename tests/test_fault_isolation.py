@@ -57,17 +57,23 @@ def with_faulty_executor(model, fail):
     return dataclasses.replace(model, executor=executor, engine=engine)
 
 
+#: longest a held decode waits for the abort: the 480 decodes of a request
+#: that is never aborted take minutes, far past the tests' 60 s deadline
+HOLD_SECONDS = 0.5
+
+
 def holding_decodes_until_an_abort(model, monkeypatch):
-    """The model on an engine whose decodes wait until it is asked to abort a
-    request: a request cannot run to its end before its abort arrives, however
-    long that takes. Returns (model, the abort event, decode calls so far)."""
+    """The model on an engine whose decodes wait (up to HOLD_SECONDS each)
+    until it is asked to abort a request: a request cannot run to its end
+    before its abort arrives. Returns (model, the abort event, decode calls so
+    far)."""
     aborted = threading.Event()
     decodes = []
 
     def hold(kind, token_ids):
         if kind == "decode":
             decodes.append(len(token_ids))
-            aborted.wait(60)
+            aborted.wait(HOLD_SECONDS)
         return False
 
     model = with_faulty_executor(model, hold)
@@ -234,7 +240,7 @@ async def test_client_disconnect_frees_pages(load_tiny, make_client, monkeypatch
     await wait_for(aborted.is_set, what="abort of the request")
     stats = await wait_idle(model.engine)
     assert stats == {**stats, "requests_running": 0, "requests_waiting": 0, "kv_pages_used": 0}
-    assert len(decodes) <= 1  # aborted, not finished
+    assert len(decodes) < 100  # aborted, not finished (480 asked)
 
     # gone while waiting for a whole completion
     model, aborted, decodes = holding_decodes_until_an_abort(load_tiny(), monkeypatch)
@@ -245,7 +251,7 @@ async def test_client_disconnect_frees_pages(load_tiny, make_client, monkeypatch
     await wait_for(aborted.is_set, what="abort of the request")
     stats = await wait_idle(model.engine)
     assert stats["requests_running"] == 0 and stats["kv_pages_used"] == 0
-    assert len(decodes) <= 1
+    assert len(decodes) < 100
 
 
 async def test_grammar_failure_fails_only_its_request(load_tiny, make_client, monkeypatch):
@@ -299,4 +305,4 @@ async def test_client_gone_during_the_pipeline_leaves_nothing_running(load_tiny,
     stats = await wait_idle(model.engine)
     assert stats["requests_running"] == 0 and stats["requests_waiting"] == 0
     assert stats["kv_pages_used"] == 0
-    assert len(decodes) <= 1  # aborted, not finished
+    assert len(decodes) < 100  # aborted, not finished (400 asked)
