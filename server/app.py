@@ -31,6 +31,7 @@ from lockgate.server.middlewares import (
     cors_preflight_middleware,
     error_middleware,
     request_id_middleware,
+    set_cors_headers,
     set_request_id_header,
 )
 from lockgate.server.routes import routes
@@ -61,6 +62,7 @@ def create_app(
     app[MODELS] = ServedModels()
     app[METRICS] = Metrics()
     app.on_response_prepare.append(set_request_id_header)
+    app.on_response_prepare.append(set_cors_headers)
     app.add_routes(routes)
     app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))
     return app

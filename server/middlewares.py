@@ -85,10 +85,15 @@ async def request_id_middleware(request: web.Request, handler):
 
 async def set_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
     """`on_response_prepare`: every response, streamed or not, error or not,
-    carries `x-request-id`, and the CORS headers when its origin is allowed."""
+    carries `x-request-id`."""
     request_id = request.get(REQUEST_ID)
     if request_id is not None:
         response.headers["x-request-id"] = request_id
+
+
+async def set_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: every response to an allowed origin, streamed
+    or not, error or not, carries the CORS headers a browser needs to read it."""
     origin = request.headers.get("Origin")
     if origin is not None and _origin_allowed(request, origin):
         response.headers["Access-Control-Allow-Origin"] = origin
@@ -107,7 +112,7 @@ async def cors_preflight_middleware(request: web.Request, handler):
     `Access-Control-Request-Method`) before the API key is asked for, since a
     browser never sends credentials with one: 204 for an origin in
     `--allowed-origins`, 403 otherwise. The other responses get their CORS
-    headers in `set_request_id_header`."""
+    headers in `set_cors_headers`."""
     origin = request.headers.get("Origin")
     if request.method != "OPTIONS" or origin is None or "Access-Control-Request-Method" not in request.headers:
         return await handler(request)

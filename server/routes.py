@@ -142,6 +142,11 @@ def split_prompts(request_id: str, endpoint: str, body: dict[str, Any]) -> list[
     ]
 
 
+def _close_connection(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.close()
+
+
 def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
@@ -152,15 +157,19 @@ class _MergedDeltas:
 
     Pumping starts at construction, before anything is written, so that a
     client that never reads is noticed even while the first write waits:
-    past `STREAM_BACKLOG_LIMIT` unread deltas its request is aborted.
-    Iterating stops early, with `ConnectionResetError`, if the client leaves.
+    with a `backlog_limit` (streams), past that many unread deltas the
+    request is aborted. Iterating stops early, with `ConnectionResetError`,
+    if the client leaves.
     """
 
     _DONE = object()
 
-    def __init__(self, request: web.Request, handles: list[RequestHandle]) -> None:
+    def __init__(
+        self, request: web.Request, handles: list[RequestHandle], *, backlog_limit: int | None = None
+    ) -> None:
         self._request = request
         self._handles = handles
+        self._backlog_limit = backlog_limit
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks = [asyncio.ensure_future(self._pump(h)) for h in handles]
 
@@ -169,15 +178,17 @@ class _MergedDeltas:
         try:
             async for delta in handle:
                 await queue.put(delta)
+                if self._backlog_limit is None:
+                    continue
                 # let the writer take it: deltas pile up only while it waits
                 # on a client that does not read
                 await asyncio.sleep(0)
-                if queue.qsize() > STREAM_BACKLOG_LIMIT:
+                if queue.qsize() > self._backlog_limit:
                     # stop generating for it rather than buffer without end
                     log.warning("client too slow: request aborted", backlog=queue.qsize())
                     for each in self._handles:
                         each.abort()
-                    raise ClientTooSlow(f"more than {STREAM_BACKLOG_LIMIT} deltas unread")
+                    raise ClientTooSlow(f"more than {self._backlog_limit} deltas unread")
         except Exception as exc:
             await queue.put(exc)
         await queue.put(self._DONE)
@@ -263,7 +274,7 @@ async def _stream(request, body, handles, builder: ResponseBuilder) -> web.Strea
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     response.enable_chunked_encoding()
-    deltas = _MergedDeltas(request, handles)
+    deltas = _MergedDeltas(request, handles, backlog_limit=STREAM_BACKLOG_LIMIT)
     await response.prepare(request)
 
     async def send(payload: Any) -> None:
@@ -273,8 +284,7 @@ async def _stream(request, body, handles, builder: ResponseBuilder) -> web.Strea
         except TimeoutError:
             # a client that stopped reading but keeps its connection open
             log.info("client stopped reading: its stream is closed")
-            if request.transport is not None:
-                request.transport.close()
+            _close_connection(request)
             raise ConnectionResetError("the client stopped reading") from None
 
     try:
@@ -302,8 +312,7 @@ async def _write_stream(request, response, send, deltas, handles, builder, inclu
         return response
     except ClientTooSlow:
         log.info("client too slow: its stream is closed")
-        if request.transport is not None:
-            request.transport.close()
+        _close_connection(request)
         return response
     except Exception as exc:
         # headers are gone: the error travels inside the stream
