@@ -88,8 +88,8 @@ class LockgateRunner:
     def __init__(self, path: pathlib.Path, threads: int, total_tokens: int, cache_dir: pathlib.Path):
         import gguf
 
-        from lockgate.executor import ExecutorOptions, ModelFile
-        from lockgate.model_config import LlamaConfig
+        from lockgate.models.executor import ExecutorOptions, ModelFile
+        from lockgate.models.config import LlamaConfig
         from lockgate.plugins.tvm.executor import create_executor
 
         config = LlamaConfig.from_gguf(gguf.GGUFReader(path))

@@ -19,8 +19,8 @@ import time
 import gguf
 import numpy as np
 
-from lockgate.executor import ExecutorOptions, ModelFile
-from lockgate.model_config import LlamaConfig
+from lockgate.models.executor import ExecutorOptions, ModelFile
+from lockgate.models.config import LlamaConfig
 
 
 def default_model_path() -> pathlib.Path:

@@ -63,8 +63,8 @@ import numpy as np
 sys.path.insert(0, "tests")
 from tiny_model import write_tiny_gguf
 
-from lockgate.executor import ExecutorOptions, ModelFile
-from lockgate.model_config import LlamaConfig
+from lockgate.models.executor import ExecutorOptions, ModelFile
+from lockgate.models.config import LlamaConfig
 from lockgate.plugins.tvm.executor import create_executor
 
 BATCHES = (1, 16, 64)

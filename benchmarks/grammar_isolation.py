@@ -25,10 +25,10 @@ import time
 
 import gguf
 
-from lockgate import structured
+from lockgate.engine import structured
 from lockgate.native import run_with_large_stack
 from lockgate.plugins.models import locate_smollm2
-from lockgate.tokenizer import load_tokenizer
+from lockgate.models.tokenizer import load_tokenizer
 
 PERSON = {
     "type": "object",

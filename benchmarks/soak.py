@@ -74,9 +74,9 @@ def serve(args: argparse.Namespace) -> None:
 
     from aiohttp import web
 
-    from lockgate.hookspecs import hookimpl
+    from lockgate.plugin_api.hookspecs import hookimpl
     from lockgate.logging import configure_logging
-    from lockgate.plugin_manager import get_plugin_manager
+    from lockgate.plugin_api.manager import get_plugin_manager
     from lockgate.plugins.tvm import create_executor
     from lockgate.server.app import create_app
     from lockgate.server.config import Settings

@@ -1,6 +1,6 @@
 """lockgate: an OpenAI-compatible LLM server built on a pluggy hook pipeline."""
 
-from lockgate.hookspecs import hookimpl
+from lockgate.plugin_api.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 

@@ -7,6 +7,9 @@ Each class carries the OpenAI error fields it answers with: HTTP status,
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 
 class LockgateError(Exception):
     """Base of every error lockgate answers with its own status and message."""
@@ -157,3 +160,25 @@ class ModelLoadError(Exception):
 
 class PluginError(Exception):
     """A plugin is malformed (for example an `async def` hook implementation)."""
+
+
+@dataclasses.dataclass
+class ErrorResponse:
+    """An OpenAI-style error answer, built by `lockgate_handle_exception`."""
+
+    status: int
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }

@@ -5,7 +5,7 @@ fault that takes the whole process, every in-flight request with it. Some
 native parsers recurse once per level of what they parse (llguidance follows a
 JSON schema's `$ref` chain that way, several KiB of stack per level), so a
 small request can need more stack than a thread has. Limits checked before
-the call (`lockgate.structured` bounds schema depth and `$ref` chains) are the
+the call (`lockgate.engine.structured` bounds schema depth and `$ref` chains) are the
 first defence; running the call on a thread whose stack is far larger than
 those limits need is the second, for the shapes the limits do not foresee.
 

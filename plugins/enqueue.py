@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lockgate.hookspecs import hookimpl
+from lockgate.plugin_api.hookspecs import hookimpl
 
 
 @hookimpl(trylast=True)

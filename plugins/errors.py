@@ -5,8 +5,8 @@ from __future__ import annotations
 import structlog
 
 from lockgate.errors import LockgateError
-from lockgate.hookspecs import hookimpl
-from lockgate.types import ErrorResponse
+from lockgate.plugin_api.hookspecs import hookimpl
+from lockgate.errors import ErrorResponse
 
 log = structlog.get_logger("lockgate.errors")
 

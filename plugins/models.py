@@ -10,7 +10,7 @@ import importlib.util
 from pathlib import Path
 
 from lockgate.errors import ModelLoadError
-from lockgate.hookspecs import hookimpl
+from lockgate.plugin_api.hookspecs import hookimpl
 from lockgate.models import ModelSpec
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"

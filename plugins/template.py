@@ -6,7 +6,7 @@ import jinja2
 from jinja2.exceptions import SecurityError
 
 from lockgate.errors import InvalidMessages, InvalidRequestError
-from lockgate.hookspecs import hookimpl
+from lockgate.plugin_api.hookspecs import hookimpl
 
 
 def message_text(content) -> str:

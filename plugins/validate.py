@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lockgate.errors import InvalidRequestError, UnsupportedParameter
-from lockgate.hookspecs import hookimpl
+from lockgate.plugin_api.hookspecs import hookimpl
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_SEQUENCES = 4
@@ -246,7 +246,7 @@ def check_response_format(body):
     fmt = body.get("response_format")
     if fmt is None:
         return
-    # the schema itself is compiled and checked with the grammar (lockgate.structured)
+    # the schema itself is compiled and checked with the grammar (lockgate.engine.structured)
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise InvalidRequestError(
             "response_format.type must be one of text, json_object, json_schema",

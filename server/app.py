@@ -22,7 +22,7 @@ from aiohttp import web
 from lockgate.logging import configure_logging
 from lockgate.metrics import Metrics
 from lockgate.models import Model, ServedModels, load_model
-from lockgate.plugin_manager import get_plugin_manager
+from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.server.config import Settings
 from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS
 

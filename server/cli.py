@@ -111,7 +111,7 @@ async def _serve(settings: Settings) -> None:
 
 
 def list_plugins(as_json: bool) -> None:
-    from lockgate.plugin_manager import describe_plugins, get_plugin_manager
+    from lockgate.plugin_api.manager import describe_plugins, get_plugin_manager
 
     described = describe_plugins(get_plugin_manager())
     if as_json:

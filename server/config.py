@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from lockgate.engine import EngineOptions
-from lockgate.executor import ExecutorOptions
+from lockgate.models.executor import ExecutorOptions
 
 DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
 

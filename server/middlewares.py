@@ -26,7 +26,7 @@ from lockgate.errors import (
     RequestTooLarge,
     RouteNotFound,
 )
-from lockgate.types import ErrorResponse
+from lockgate.errors import ErrorResponse
 from lockgate.server.keys import (
     ERROR_TYPE,
     METRICS,

@@ -6,13 +6,13 @@ import time
 from typing import Any
 
 from lockgate.engine import Delta, Usage
-from lockgate.sampling import TokenLogprob
+from lockgate.engine.sampling import TokenLogprob
 
 
 class ResponseBuilder:
     """Builds the JSON of one response (or its stream chunks) for an endpoint.
 
-    :param token_bytes: a `lockgate.tokenizer.TokenBytes` of the model, to
+    :param token_bytes: a `lockgate.models.tokenizer.TokenBytes` of the model, to
         spell out tokens in logprobs.
     """
 

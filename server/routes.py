@@ -15,8 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lockgate.engine import RequestHandle, Usage
 from lockgate.errors import InvalidRequestError, ModelNotFound, Unavailable, UnsupportedMediaType
-from lockgate.pipeline import run_pipeline
-from lockgate.types import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, Request
+from lockgate.plugin_api.pipeline import run_pipeline
+from lockgate.plugin_api.request import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, Request
 from lockgate.server.keys import METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, USAGE
 from lockgate.server.middlewares import error_response
 from lockgate.server.responses import ResponseBuilder

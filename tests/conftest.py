@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from lockgate.engine import EngineOptions
-from lockgate.executor import ExecutorOptions
+from lockgate.models.executor import ExecutorOptions
 from lockgate.logging import configure_logging
 from lockgate.models import load_model
-from lockgate.plugin_manager import get_plugin_manager
+from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.server.app import create_app
 from lockgate.server.config import Settings
 from tiny_model import write_tiny_gguf
@@ -161,6 +161,6 @@ def smollm2_reader(smollm2_path):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_reader):
-    from lockgate.tokenizer import load_tokenizer
+    from lockgate.models.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_reader)

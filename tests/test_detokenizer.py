@@ -1,4 +1,4 @@
-"""Incremental detokenization with stop strings (lockgate.detokenizer).
+"""Incremental detokenization with stop strings (lockgate.engine.detokenizer).
 
 The central property: whatever the tokens and the stop strings, the text
 streamed by `IncrementalDetokenizer` equals the whole-sequence decode cut
@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from lockgate.detokenizer import DetokenizerStep, IncrementalDetokenizer
+from lockgate.engine.detokenizer import DetokenizerStep, IncrementalDetokenizer
 
 # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 PROMPT_IDS = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]

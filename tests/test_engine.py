@@ -14,10 +14,10 @@ import pytest
 from conftest import wait_idle
 from lockgate import hookimpl
 from lockgate.errors import ContextLengthExceeded, InvalidRequestError, Unavailable
-from lockgate.params import SamplingParams
-from lockgate.plugin_manager import get_plugin_manager
-from lockgate.sampling import SamplingRow, process_logits, sample_batch, sample_token
-from lockgate.types import Work
+from lockgate.engine.params import SamplingParams
+from lockgate.plugin_api.manager import get_plugin_manager
+from lockgate.engine.sampling import SamplingRow, process_logits, sample_batch, sample_token
+from lockgate.engine import Work
 
 PROMPTS = [[5, 40, 41, 60], [100, 7, 8], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [200]]
 

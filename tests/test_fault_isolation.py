@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-import lockgate.engine
+import lockgate.engine.loop
 from conftest import wait_for, wait_idle
 from lockgate import hookimpl
 from lockgate.engine import Engine
@@ -150,7 +150,7 @@ async def test_executor_failure_mid_stream_is_an_error_event(load_tiny, make_cli
 async def test_repeated_failures_turn_health_to_503(load_tiny, make_client):
     model = with_faulty_executor(load_tiny(), lambda kind, token_ids: True)
     client = await make_client(model)
-    for _ in range(lockgate.engine.UNHEALTHY_AFTER_FAILURES):
+    for _ in range(lockgate.engine.loop.UNHEALTHY_AFTER_FAILURES):
         assert (await client.post(CHAT, json=GOOD)).status == 500
     health = await client.get("/health")
     assert health.status == 503
@@ -205,7 +205,7 @@ async def test_failure_inside_a_step_for_one_request(load_tiny, make_client, mon
     """A per-request failure inside a step (here: its detokenizer) fails that
     request alone; the other request in the same batch completes."""
 
-    class FragileDetokenizer(lockgate.engine.IncrementalDetokenizer):
+    class FragileDetokenizer(lockgate.engine.loop.IncrementalDetokenizer):
         def __init__(self, tokenizer, prompt_token_ids, *, stop=(), **kwargs):
             super().__init__(tokenizer, prompt_token_ids, stop=stop, **kwargs)
             self.fragile = "fragile" in stop
@@ -215,7 +215,7 @@ async def test_failure_inside_a_step_for_one_request(load_tiny, make_client, mon
                 raise ValueError("injected detokenizer failure")
             return super().add(token_id)
 
-    monkeypatch.setattr(lockgate.engine, "IncrementalDetokenizer", FragileDetokenizer)
+    monkeypatch.setattr(lockgate.engine.loop, "IncrementalDetokenizer", FragileDetokenizer)
     model = load_tiny()
     client = await make_client(model)
     body = {**GOOD, "max_tokens": 30, "ignore_eos": True}
@@ -255,18 +255,18 @@ async def test_client_disconnect_frees_pages(load_tiny, make_client, monkeypatch
 
 
 async def test_grammar_failure_fails_only_its_request(load_tiny, make_client, monkeypatch):
-    import lockgate.structured
+    import lockgate.engine.structured
 
-    real_allowed = lockgate.structured.Matcher.allowed
+    real_allowed = lockgate.engine.structured.Matcher.allowed
     calls = {"n": 0}
 
     def allowed(self, width):
         calls["n"] += 1
         if calls["n"] == 3:
-            raise lockgate.structured.MatcherError("injected grammar failure")
+            raise lockgate.engine.structured.MatcherError("injected grammar failure")
         return real_allowed(self, width)
 
-    monkeypatch.setattr(lockgate.structured.Matcher, "allowed", allowed)
+    monkeypatch.setattr(lockgate.engine.structured.Matcher, "allowed", allowed)
     model = load_tiny()
     client = await make_client(model)
     plain = {**GOOD, "max_tokens": 40, "ignore_eos": True}

@@ -6,9 +6,9 @@ import gguf
 import pytest
 
 from lockgate.errors import ModelLoadError
-from lockgate.gguf_metadata import GGUFMetadata
-from lockgate.model_config import LlamaConfig
-from lockgate.tokenizer import eos_token_ids, load_tokenizer
+from lockgate.models.gguf_metadata import GGUFMetadata
+from lockgate.models.config import LlamaConfig
+from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
 from tiny_model import write_tiny_gguf
 
 

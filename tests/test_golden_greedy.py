@@ -15,8 +15,8 @@ import os
 import pytest
 
 from golden import GREEDY_IDS, PROMPT_IDS
-from lockgate.executor import ExecutorOptions, ModelFile
-from lockgate.model_config import LlamaConfig
+from lockgate.models.executor import ExecutorOptions, ModelFile
+from lockgate.models.config import LlamaConfig
 
 pytestmark = pytest.mark.default_model
 

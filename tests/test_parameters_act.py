@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 
-from lockgate.params import SamplingParams
+from lockgate.engine.params import SamplingParams
 from tiny_model import tiny_vocab
 
 VOCAB = tiny_vocab()

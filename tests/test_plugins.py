@@ -15,12 +15,13 @@ import textwrap
 import pluggy
 import pytest
 
-from lockgate import hookimpl, hookspecs
+from lockgate import hookimpl
+from lockgate.plugin_api import hookspecs
 from lockgate.errors import PluginError
-from lockgate.plugin_manager import DEFAULT_PLUGINS, describe_plugins, get_plugin_manager
+from lockgate.plugin_api.manager import DEFAULT_PLUGINS, describe_plugins, get_plugin_manager
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-#: every function `lockgate.hookspecs` marks as a hookspec, by name
+#: every function `lockgate.plugin_api.hookspecs` marks as a hookspec, by name
 HOOKSPECS = {
     name: function for name, function in vars(hookspecs).items()
     if hasattr(function, f"{hookspecs.PROJECT_NAME}_spec")
@@ -28,7 +29,7 @@ HOOKSPECS = {
 
 PLUGIN_SOURCE = '''
 from lockgate import hookimpl
-from lockgate.types import ErrorResponse
+from lockgate.errors import ErrorResponse
 
 
 class TeapotError(Exception):

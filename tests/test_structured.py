@@ -1,4 +1,4 @@
-"""Structured output (lockgate.structured) with real llguidance and real tokenizers.
+"""Structured output (lockgate.engine.structured) with real llguidance and real tokenizers.
 
 The central property: whatever a model's logits say, sampling through a
 matcher's mask until it finishes yields text that parses as JSON and
@@ -16,12 +16,12 @@ import jsonschema
 import numpy as np
 import pytest
 
-from lockgate import structured
+from lockgate.engine import structured
 from lockgate.errors import InvalidSchema
-from lockgate.params import SamplingParams
-from lockgate.sampling import sample_token
-from lockgate.structured import Grammar, compile_response_format, fill_masks
-from lockgate.tokenizer import eos_token_ids, load_tokenizer
+from lockgate.engine.params import SamplingParams
+from lockgate.engine.sampling import sample_token
+from lockgate.engine.structured import Grammar, compile_response_format, fill_masks
+from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
 
 PERSON = {
     "type": "object",
@@ -306,10 +306,10 @@ def test_schemas_within_the_limits_compile(compile_format, schema):
 _OVERFLOW = """
 import sys, threading
 import gguf
-from lockgate import structured
+from lockgate.engine import structured
 from lockgate.native import run_with_large_stack
 from lockgate.plugins.models import locate_smollm2
-from lockgate.tokenizer import load_tokenizer
+from lockgate.models.tokenizer import load_tokenizer
 
 llg = structured._llg_tokenizer(load_tokenizer(gguf.GGUFReader(locate_smollm2())), None)
 defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(10000)}

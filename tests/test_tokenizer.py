@@ -1,4 +1,4 @@
-"""The tokenizer built from GGUF metadata (lockgate.tokenizer).
+"""The tokenizer built from GGUF metadata (lockgate.models.tokenizer).
 
 The golden tokenizations come from llama.cpp (llama-cpp-python 0.3.36,
 `Llama.tokenize(text, add_bos=False, special=True)`) on the default model's
@@ -13,7 +13,7 @@ import gguf
 import pytest
 
 from lockgate.errors import ModelLoadError
-from lockgate.tokenizer import SUPPORTED_PRE_TOKENIZERS, eos_token_ids, load_tokenizer
+from lockgate.models.tokenizer import SUPPORTED_PRE_TOKENIZERS, eos_token_ids, load_tokenizer
 from tiny_model import bytes_to_unicode
 
 GOLDEN_TOKENIZATION = [

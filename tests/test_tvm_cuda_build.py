@@ -18,7 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from tiny_model import write_tiny_gguf  # noqa: E402
 
-from lockgate.model_config import LlamaConfig  # noqa: E402
+from lockgate.models.config import LlamaConfig  # noqa: E402
 
 
 def test_cross_compile_for_sm90(tmp_path):

@@ -20,8 +20,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from tiny_model import write_tiny_gguf  # noqa: E402
 
 from lockgate.errors import ModelLoadError  # noqa: E402
-from lockgate.executor import ExecutorOptions, ModelFile  # noqa: E402
-from lockgate.model_config import LlamaConfig  # noqa: E402
+from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
+from lockgate.models.config import LlamaConfig  # noqa: E402
 
 PROMPT = [1, 70, 71, 72, 260, 261, 262, 30, 40, 50, 2, 198]
 DECODE_TOKENS = [265, 3, 100, 290]

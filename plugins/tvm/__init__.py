@@ -6,7 +6,7 @@ registers a factory; TVM is imported when an executor is actually created.
 
 from __future__ import annotations
 
-from lockgate.hookspecs import hookimpl
+from lockgate.plugin_api.hookspecs import hookimpl
 
 
 def create_executor(model_file, options):

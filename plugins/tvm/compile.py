@@ -25,7 +25,7 @@ from tvm.s_tir.dlight.analysis.common_analysis import collect_vars_used_in_prim_
 from tvm.s_tir.dlight.base import ScheduleRule, try_inline_contiguous_spatial
 from tvm.target import Target
 
-from lockgate.model_config import LlamaConfig
+from lockgate.models.config import LlamaConfig
 
 def default_cache_dir() -> pathlib.Path:
     """`$LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate`."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lockgate.errors import ModelLoadError
-from lockgate.executor import Executor, ExecutorOptions, ModelFile
+from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
 
 #: the only KV page length TVM 0.27's cache kernels (CPU and GPU) are built for
 KV_PAGE_SIZE = 16

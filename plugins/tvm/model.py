@@ -26,7 +26,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 from tvm.target import Target
 
-from lockgate.model_config import LlamaConfig
+from lockgate.models.config import LlamaConfig
 
 #: the activation dtype (and the KV cache's on CUDA)
 DTYPE = "float32"

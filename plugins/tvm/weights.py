@@ -24,8 +24,8 @@ import gguf
 import numpy as np
 
 from lockgate.errors import ModelLoadError
-from lockgate.gguf_metadata import GGUFMetadata
-from lockgate.model_config import LlamaConfig
+from lockgate.models.gguf_metadata import GGUFMetadata
+from lockgate.models.config import LlamaConfig
 
 _PLAIN_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
 
@@ -108,7 +108,7 @@ class RawTensor:
 def read_tensor_index(path: str | os.PathLike) -> dict[str, RawTensor]:
     """The tensors of a GGUF file, memory-mapped.
 
-    The table comes from `lockgate.gguf_metadata` (fast, unlike
+    The table comes from `lockgate.models.gguf_metadata` (fast, unlike
     `gguf.GGUFReader`, which turns the 49k-entry vocabulary into numpy
     objects); the data is mapped, not read.
     """

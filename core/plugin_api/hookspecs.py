@@ -20,7 +20,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def lockgate_validate_request(request, model):
     """Check a request before any work is done for it.
 
-    :param request: the `lockgate.types.Request` (its `body` is the parsed JSON).
+    :param request: the `lockgate.plugin_api.request.Request` (its `body` is the parsed JSON).
     :param model: the `lockgate.models.Model` the request names.
     :returns: nothing; the return value is ignored.
     :raises: any exception to reject the request; `lockgate.errors` classes
@@ -60,7 +60,7 @@ def lockgate_tokenize(prompt, request, model):
 def lockgate_enqueue(work, engine):
     """Hand the prepared work to the engine.
 
-    :param work: a `lockgate.types.Work` (prompt tokens, sampling parameters).
+    :param work: a `lockgate.plugin_api.request.Work` (prompt tokens, sampling parameters).
     :param engine: the model's `lockgate.engine.Engine`.
     :returns: the `lockgate.engine.RequestHandle` the response is read from.
     :raises: the engine's admission errors (`ContextLengthExceeded`,
@@ -76,9 +76,9 @@ def lockgate_handle_exception(exception, request):
     """Turn an exception raised while serving into an error response.
 
     :param exception: the exception.
-    :param request: the `lockgate.types.Request` when one had been built,
+    :param request: the `lockgate.plugin_api.request.Request` when one had been built,
         else None.
-    :returns: a `lockgate.types.ErrorResponse`, or None to leave it to the
+    :returns: a `lockgate.plugin_api.request.ErrorResponse`, or None to leave it to the
         next implementation (the built-in answers every exception).
 
     Stops at the first non-None result.
@@ -90,7 +90,7 @@ def lockgate_register_executors(register):
     """Offer executors.
 
     :param register: call `register(name, factory)` where `factory(model_file,
-        options)` returns a `lockgate.executor.Executor`.
+        options)` returns a `lockgate.models.executor.Executor`.
 
     Every implementation runs.
     """

@@ -14,8 +14,8 @@ import pluggy
 
 from lockgate.engine import Engine, EngineOptions
 from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
-from lockgate.executor import Executor, ExecutorFactory, ExecutorOptions, ModelFile
-from lockgate.model_config import LlamaConfig
+from lockgate.models.executor import Executor, ExecutorFactory, ExecutorOptions, ModelFile
+from lockgate.models.config import LlamaConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Model:
     @functools.cached_property
     def token_bytes(self):
         """`TokenBytes` of this model's tokenizer: each token's raw bytes and text."""
-        from lockgate.tokenizer import TokenBytes
+        from lockgate.models.tokenizer import TokenBytes
 
         return TokenBytes(self.tokenizer)
 
@@ -108,9 +108,9 @@ def load_model(
     overrides the file's template), compiles or loads the executor, and
     creates the engine (not yet started).
     """
-    from lockgate.gguf_metadata import GGUFMetadata
-    from lockgate.structured import prepare_tokenizer
-    from lockgate.tokenizer import eos_token_ids, load_tokenizer
+    from lockgate.models.gguf_metadata import GGUFMetadata
+    from lockgate.engine.structured import prepare_tokenizer
+    from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
 
     specs = registered_models(pm)
     aliases: tuple[str, ...] = ()

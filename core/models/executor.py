@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lockgate.model_config import LlamaConfig
+from lockgate.models.config import LlamaConfig
 
 
 @dataclasses.dataclass(frozen=True)

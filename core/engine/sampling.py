@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lockgate.params import SamplingParams
+from lockgate.engine.params import SamplingParams
 
 
 def make_generator(params: SamplingParams, choice_index: int) -> np.random.Generator:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import pluggy
 
-from lockgate import hookspecs
+from lockgate.plugin_api import hookspecs
 from lockgate.errors import PluginError
 
 ENTRY_POINT_GROUP = "lockgate"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lockgate.params import SamplingParams
+from lockgate.engine.params import SamplingParams
 
 CHAT_ENDPOINT = "chat.completions"
 COMPLETIONS_ENDPOINT = "completions"
@@ -36,38 +36,3 @@ class Request:
     @property
     def stream(self) -> bool:
         return self.body.get("stream") is True
-
-
-@dataclasses.dataclass
-class Work:
-    """What the engine runs for one request: prompt tokens and how to sample."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    #: index of this work's first choice in the response
-    choice_offset: int = 0
-    #: the request field errors about the prompt name ("messages" or "prompt")
-    prompt_param: str = "prompt"
-
-
-@dataclasses.dataclass
-class ErrorResponse:
-    """An OpenAI-style error answer, built by `lockgate_handle_exception`."""
-
-    status: int
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-    headers: dict[str, str] = dataclasses.field(default_factory=dict)
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }

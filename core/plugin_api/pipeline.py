@@ -18,11 +18,12 @@ import structlog
 from lockgate.engine import RequestHandle
 from lockgate.errors import InternalError
 from lockgate.models import Model
-from lockgate.params import SamplingParams
-from lockgate.structured import compile_response_format
-from lockgate.types import Request, Work
+from lockgate.engine.params import SamplingParams
+from lockgate.engine.structured import compile_response_format
+from lockgate.engine import Work
+from lockgate.plugin_api.request import Request
 
-log = structlog.get_logger("lockgate.pipeline")
+log = structlog.get_logger("lockgate.plugin_api.pipeline")
 
 
 async def run_pipeline(

@@ -35,7 +35,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     #: None: no logprobs; otherwise how many alternatives to report per token
     logprobs: int | None = None
-    #: a compiled `response_format` grammar (`lockgate.structured.Grammar`), or None
+    #: a compiled `response_format` grammar (`lockgate.engine.structured.Grammar`), or None
     grammar: object | None = None
 
     @property

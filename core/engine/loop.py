@@ -25,12 +25,12 @@ import math
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
 
-from lockgate.detokenizer import IncrementalDetokenizer
+from lockgate.engine.detokenizer import IncrementalDetokenizer
 from lockgate.errors import (
     ContextLengthExceeded,
     InternalError,
@@ -38,29 +38,17 @@ from lockgate.errors import (
     Overloaded,
     Unavailable,
 )
-from lockgate.executor import Executor
-from lockgate.sampling import SamplingRow, TokenLogprob, make_generator, sample_batch
-from lockgate.types import Work
+from lockgate.engine.sampling import SamplingRow, TokenLogprob, make_generator, sample_batch
+from lockgate.engine.options import EngineOptions
+from lockgate.engine.work import Work
+
+if TYPE_CHECKING:  # the engine needs the interface only to name it
+    from lockgate.models.executor import Executor
 
 log = structlog.get_logger("lockgate.engine")
 
 #: consecutive failed engine steps after which the engine declares itself unhealthy
 UNHEALTHY_AFTER_FAILURES = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineOptions:
-    """Limits of the engine, from the CLI or environment."""
-
-    #: requests waiting for admission before new ones get 429
-    max_queue: int = 256
-    #: most choices (`n`) one request may ask for
-    max_n: int = 8
-    #: tokens one step may process (decode tokens plus prefill chunks);
-    #: None: the executor's prefill chunk size
-    max_num_batched_tokens: int | None = None
-    #: seconds a client is told to wait on 429 / 503
-    retry_after: int = 1
 
 
 @dataclasses.dataclass
