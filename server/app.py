@@ -23,7 +23,7 @@ from lockgate.logging import configure_logging
 from lockgate.metrics import Metrics
 from lockgate.models import Model, ServedModels, load_model
 from lockgate.plugin_api.manager import get_plugin_manager
-from lockgate.server.config import Settings
+from lockgate.server.config import Settings, serve_parser, settings_from_args
 from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS
 
 from lockgate.server.middlewares import (
@@ -122,8 +122,6 @@ def app_from_env() -> web.Application:
 def init_app(argv: list[str] | None = None) -> web.Application:
     """Entry for `python -m aiohttp.web ... lockgate.server.app:init_app [flags]`:
     extra flags are those of `lockgate serve` (host and port belong to aiohttp)."""
-    from lockgate.server.cli import settings_from_args, serve_parser
-
     args = serve_parser().parse_args(argv or [])
     settings = settings_from_args(args)
     configure_logging(settings.log_format, settings.log_level)

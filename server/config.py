@@ -1,109 +1,75 @@
-"""Server settings: defaults, `LOCKGATE_*` environment variables, CLI flags."""
+"""Server settings: the `Settings` object and the `lockgate serve` flags, both
+made from the one table in `lockgate.settings`.
+
+`app.py` and `cli.py` both import this module and it imports neither, so the
+flags can be parsed by either launcher without a cycle.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from collections.abc import Mapping
-from pathlib import Path
+from typing import Any
 
 from lockgate.engine import EngineOptions
 from lockgate.models.executor import ExecutorOptions
+from lockgate.settings import SETTINGS, InvalidSetting, add_arguments, get_setting, values_from_args, values_from_env
 
-DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
+
+def _fields_from_table(cls: type) -> type:
+    """Make `cls` a dataclass with one field per entry of `SETTINGS`, the
+    entry's default as the field's."""
+    cls.__annotations__ = {setting.name: setting.annotation for setting in SETTINGS}
+    for setting in SETTINGS:
+        setattr(cls, setting.name, setting.default)
+    return dataclasses.dataclass(cls)
 
 
-@dataclasses.dataclass
+@_fields_from_table
 class Settings:
-    """Everything `lockgate serve` can be told. Each field `foo_bar` is also
-    read from the environment variable `LOCKGATE_FOO_BAR`."""
-
-    model: str = "SmolLM2-135M-Instruct"
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    chat_template: Path | None = None
-    #: accepted bearer keys; empty means no authentication
-    api_keys: tuple[str, ...] = ()
-    #: browser origins allowed to call the API (CORS); "*" for any; empty for none
-    allowed_origins: tuple[str, ...] = ()
-    #: serve /metrics without the API key
-    metrics_public: bool = False
-    max_body_size: int = DEFAULT_MAX_BODY_SIZE
-    executor: str = "tvm"
-    target: str = "auto"
-    max_num_seqs: int = 16
-    max_total_tokens: int = 8192
-    prefill_chunk_size: int = 512
-    #: tokens one engine step processes (decode + prefill chunks); None: prefill_chunk_size
-    max_num_batched_tokens: int | None = None
-    max_queue: int = 256
-    max_n: int = 8
-    num_threads: int | None = None
-    cache_dir: Path | None = None
-    #: seconds in-flight requests get to finish on shutdown
-    shutdown_grace: float = 30.0
-    log_format: str = "auto"
-    log_level: str = "info"
+    """Everything `lockgate serve` can be told: one field per entry of
+    `lockgate.settings.SETTINGS` (`Settings().port`, `Settings(port=9000)`)."""
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "Settings":
-        """Defaults, then `LOCKGATE_*` variables, then `overrides` (not None)."""
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Defaults, then `LOCKGATE_*` variables, then `overrides` (those not
+        None; text is parsed like a variable's, so `api_keys="a,b"` works).
+        Raises `InvalidSetting` naming the variable or setting that does not parse."""
         env = os.environ if env is None else env
-        values = {}
-        for field in dataclasses.fields(cls):
-            raw = env.get(f"LOCKGATE_{field.name.upper()}")
-            if field.name == "api_keys":
-                raw = raw or env.get("LOCKGATE_API_KEY")
-            if raw is not None and raw != "":
-                values[field.name] = _parse(field, raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        for name in _LIST_FIELDS:
-            if isinstance(values.get(name), str):
-                values[name] = _parse_keys(values[name])
+        values = values_from_env(env)
+        for name, value in overrides.items():
+            if value is None:
+                continue
+            if isinstance(value, str):
+                try:
+                    value = get_setting(name).parse(value)
+                except InvalidSetting as exc:
+                    raise InvalidSetting(f"{name} {exc}") from None
+            values[name] = value
         return cls(**values)
 
     def executor_options(self, progress=None) -> ExecutorOptions:
-        return ExecutorOptions(
-            max_num_seqs=self.max_num_seqs,
-            max_total_tokens=self.max_total_tokens,
-            prefill_chunk_size=self.prefill_chunk_size,
-            target=self.target,
-            cache_dir=self.cache_dir,
-            num_threads=self.num_threads,
-            progress=progress,
-        )
+        return ExecutorOptions(**self._held_by(ExecutorOptions), progress=progress)
 
     def engine_options(self) -> EngineOptions:
-        return EngineOptions(
-            max_queue=self.max_queue,
-            max_n=self.max_n,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-        )
+        return EngineOptions(**self._held_by(EngineOptions))
+
+    def _held_by(self, options_class: type) -> dict[str, Any]:
+        """The settings `options_class` has a field of the same name for."""
+        names = {field.name for field in dataclasses.fields(options_class)}
+        return {setting.name: getattr(self, setting.name) for setting in SETTINGS if setting.name in names}
 
 
-#: fields given as comma-separated lists
-_LIST_FIELDS = ("api_keys", "allowed_origins")
+def serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The flags of `lockgate serve`. Unset flags fall back to `LOCKGATE_*`
+    environment variables, then to the defaults."""
+    parser = parser or argparse.ArgumentParser(prog="lockgate serve")
+    add_arguments(parser)
+    return parser
 
 
-def _parse_keys(raw: str) -> tuple[str, ...]:
-    return tuple(key.strip() for key in raw.split(",") if key.strip())
-
-
-def _parse(field: dataclasses.Field, raw: str):
-    kind = str(field.type)
-    if field.name in _LIST_FIELDS:
-        return _parse_keys(raw)
-    if kind.startswith("bool"):
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"LOCKGATE_{field.name.upper()} must be true or false, got {raw!r}")
-    if "Path" in kind:
-        return Path(raw)
-    if kind.startswith("int"):
-        return int(raw)
-    if kind.startswith("float"):
-        return float(raw)
-    return raw
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Flags given in `args` over the environment over the defaults."""
+    return Settings.from_env(**values_from_args(args))

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 
+from lockgate.settings import setting_default
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
     """Limits of the engine, from the CLI or environment."""
 
     #: requests waiting for admission before new ones get 429
-    max_queue: int = 256
+    max_queue: int = setting_default("max_queue")
     #: most choices (`n`) one request may ask for
-    max_n: int = 8
+    max_n: int = setting_default("max_n")
     #: tokens one step may process (decode tokens plus prefill chunks);
     #: None: the executor's prefill chunk size
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = setting_default("max_num_batched_tokens")
     #: seconds a client is told to wait on 429 / 503
     retry_after: int = 1

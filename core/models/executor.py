@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from lockgate.models.config import LlamaConfig
+from lockgate.settings import setting_default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,19 +24,19 @@ class ExecutorOptions:
     """Sizing and placement of an executor, from the CLI or environment."""
 
     #: most sequences decoded in one step (the KV cache's batch dimension)
-    max_num_seqs: int = 16
+    max_num_seqs: int = setting_default("max_num_seqs")
     #: tokens the KV cache holds over all sequences together
-    max_total_tokens: int = 8192
+    max_total_tokens: int = setting_default("max_total_tokens")
     #: most tokens one prefill call may carry (longer prompts are chunked)
-    prefill_chunk_size: int = 512
+    prefill_chunk_size: int = setting_default("prefill_chunk_size")
     #: tokens per KV page
     page_size: int = 16
     #: "auto" (cuda when a GPU is present, else llvm), "llvm" or "cuda"
-    target: str = "auto"
+    target: str = setting_default("target")
     #: where compiled libraries are cached; None means the default cache dir
-    cache_dir: Path | None = None
+    cache_dir: Path | None = setting_default("cache_dir")
     #: CPU threads for the llvm target; None lets the runtime decide
-    num_threads: int | None = None
+    num_threads: int | None = setting_default("num_threads")
     #: called with one-line progress messages while compiling and loading
     progress: Callable[[str], None] | None = None
 
