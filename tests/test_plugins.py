@@ -1,31 +1,25 @@
-"""The plugin manager, entry-point plugins from a real distribution, and the
-documentation of every hook."""
+"""The plugin manager: built-ins, what may be blocked, async hooks refused,
+entry-point plugins from a real distribution, hook-call tracing. (The hook
+reference in the README is checked by test_hook_docs.py.)"""
 
 from __future__ import annotations
 
-import inspect
 import json
+import logging
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pluggy
 import pytest
 
 from lockgate import hookimpl
-from lockgate.plugin_api import hookspecs
-from lockgate.errors import PluginError
+from lockgate.errors import InvalidRequestError, PluginError
 from lockgate.plugin_api.manager import DEFAULT_PLUGINS, describe_plugins, get_plugin_manager
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-#: every function `lockgate.plugin_api.hookspecs` marks as a hookspec, by name
-HOOKSPECS = {
-    name: function for name, function in vars(hookspecs).items()
-    if hasattr(function, f"{hookspecs.PROJECT_NAME}_spec")
-}
 
 PLUGIN_SOURCE = '''
 from lockgate import hookimpl
@@ -98,21 +92,124 @@ def test_default_plugins_are_registered_like_any_plugin():
     assert described["tvm"] == ["lockgate_register_executors"]
 
 
+def names_registered(pm) -> set[str]:
+    return {name for name, plugin in pm.list_name_plugin() if plugin is not None}
+
+
 def test_disabled_plugins_env(monkeypatch):
-    monkeypatch.setenv("LOCKGATE_DISABLED_PLUGINS", "validate, template")
-    pm = get_plugin_manager(autoload=False)
-    names = {name for name, plugin in pm.list_name_plugin() if plugin is not None}
-    assert "validate" not in names and "template" not in names and "tokenize" in names
+    monkeypatch.setenv("LOCKGATE_DISABLED_PLUGINS", "validate, models,tvm")
+    names = names_registered(get_plugin_manager(autoload=False))
+    assert not names & {"validate", "models", "tvm"} and {"template", "tokenize", "errors"} <= names
 
 
-def test_async_hookimpl_is_refused():
+@pytest.mark.parametrize("name, hook", [("errors", "lockgate_handle_exception"), ("enqueue", "lockgate_enqueue")])
+def test_builtins_every_request_needs_cannot_be_blocked(monkeypatch, name, hook):
+    class Replacement:
+        pass
+
+    # refused even when another plugin implements the hook: the built-in is the last word
+    setattr(Replacement, hook, hookimpl(lambda self: None))
+    monkeypatch.setenv("LOCKGATE_DISABLED_PLUGINS", f"validate,{name}")
+    with pytest.raises(PluginError, match=f"names '{name}', a built-in plugin that cannot be disabled") as refused:
+        get_plugin_manager(autoload=False, plugins=[Replacement()])
+    # the message says what to do instead
+    assert f"Remove '{name}' from LOCKGATE_DISABLED_PLUGINS" in str(refused.value)
+    assert hook in str(refused.value)
+
+
+class UpperTemplate:
+    """Renders the prompt itself: the built-in `template` may then be blocked."""
+
+    @hookimpl
+    def lockgate_render_prompt(self, request, model):
+        return "USER SAID: hi"
+
+
+class ByteTokenizer:
+    """Tokenizes the prompt itself: the built-in `tokenize` may then be blocked."""
+
+    @hookimpl
+    def lockgate_tokenize(self, prompt, request, model):
+        return list(prompt.encode())
+
+
+class TimingWrapper:
+    """A wrapper answers nothing, so it does not replace a built-in."""
+
+    @hookimpl(wrapper=True)
+    def lockgate_render_prompt(self):
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def lockgate_tokenize(self):
+        return (yield)
+
+
+@pytest.mark.parametrize(
+    "name, hook, replacement",
+    [("template", "lockgate_render_prompt", UpperTemplate), ("tokenize", "lockgate_tokenize", ByteTokenizer)],
+)
+def test_template_and_tokenize_blocked_only_when_replaced(monkeypatch, name, hook, replacement):
+    monkeypatch.setenv("LOCKGATE_DISABLED_PLUGINS", name)
+    for plugins in ([], [TimingWrapper()]):
+        with pytest.raises(PluginError, match=f"names '{name}', but no other plugin implements {hook}"):
+            get_plugin_manager(autoload=False, plugins=plugins)
+    plugin = replacement()
+    pm = get_plugin_manager(autoload=False, plugins=[plugin])
+    assert name not in names_registered(pm)
+    assert [impl.plugin for impl in getattr(pm.hook, hook).get_hookimpls()] == [plugin]
+
+
+async def test_blocked_template_replaced_by_a_plugin_serves(monkeypatch, tiny_model, make_client):
+    monkeypatch.setenv("LOCKGATE_DISABLED_PLUGINS", "template")
+    client = await make_client(tiny_model, plugins=[UpperTemplate()])
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status == 200, await response.text()
+    expected = tiny_model.tokenizer.encode("USER SAID: hi", add_special_tokens=False)
+    assert (await response.json())["usage"]["prompt_tokens"] == len(expected)
+
+
+async def lockgate_render_prompt_async(request, model):
+    return "never awaited"
+
+
+@pytest.mark.parametrize("plugin_kind", ["instance", "module"])
+def test_async_hookimpl_is_refused(plugin_kind):
     class AsyncPlugin:
         @hookimpl
         async def lockgate_render_prompt(self, request, model):
             return "never awaited"
 
-    with pytest.raises(PluginError, match="async"):
-        get_plugin_manager(autoload=False, plugins=[AsyncPlugin()])
+    if plugin_kind == "instance":
+        plugin, plugin_name = AsyncPlugin(), "AsyncPlugin"
+    else:
+        plugin = plugin_name = types.ModuleType("lockgate_async_plugin")
+        plugin.lockgate_render_prompt = hookimpl(lockgate_render_prompt_async)
+        plugin_name = "lockgate_async_plugin"
+    with pytest.raises(PluginError, match="async") as refused:
+        get_plugin_manager(autoload=False, plugins=[plugin])
+    # the message names the plugin and the hook
+    assert f"plugin {plugin_name!r}: hook lockgate_render_prompt is `async def`" in str(refused.value)
+
+
+def test_async_wrapper_is_refused():
+    class AsyncWrapper:
+        @hookimpl(wrapper=True)
+        async def lockgate_tokenize(self):
+            yield
+
+    with pytest.raises(PluginError, match="lockgate_tokenize is `async def`"):
+        get_plugin_manager(autoload=False, plugins=[AsyncWrapper()])
+
+
+def test_unmarked_async_method_is_no_hook_and_not_refused():
+    class Unmarked:
+        async def lockgate_render_prompt(self, request, model):
+            return "not a hook implementation"
+
+    pm = get_plugin_manager(autoload=False, plugins=[Unmarked()])
+    assert [impl.plugin_name for impl in pm.hook.lockgate_render_prompt.get_hookimpls()] == ["template"]
 
 
 def test_misspelled_hook_is_refused():
@@ -163,7 +260,8 @@ async def test_third_party_exception_mapped_by_its_own_handler(installed_plugins
 
 
 def test_cli_lists_plugins_and_hooks(installed_plugins):
-    env = {**os.environ, "PYTHONPATH": str(installed_plugins)}
+    path = [str(installed_plugins), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     env.pop("LOCKGATE_DISABLE_PLUGIN_AUTOLOAD", None)
     result = subprocess.run(
         [sys.executable, "-m", "lockgate.server.cli", "plugins", "--json"],
@@ -181,33 +279,41 @@ def test_cli_lists_plugins_and_hooks(installed_plugins):
     assert "    lockgate_render_prompt" in text
 
 
-def readme_hook_sections() -> dict[str, str]:
-    """The README's `### `lockgate_...`` sections: hook name -> the text under it."""
-    readme = (ROOT / "README.md").read_text()
-    parts = re.split(r"^### `(lockgate_\w+)`\n", readme, flags=re.M)
-    return {name: body.split("\n#", 1)[0] for name, body in zip(parts[1::2], parts[2::2])}
+async def test_trace_plugins_logs_every_hook_call(monkeypatch, tiny_model, make_client, caplog):
+    class Policy:
+        @hookimpl
+        def lockgate_validate_request(self, request):
+            if request.body.get("user") == "banned":
+                raise InvalidRequestError("this user may not use the server", param="user")
 
+    caplog.set_level(logging.INFO, logger="lockgate.plugins")
+    # off unless asked for
+    get_plugin_manager(autoload=False).hook.lockgate_register_models(register=lambda spec: None)
+    assert not [r for r in caplog.records if r.name == "lockgate.plugins"]
 
-def test_readme_documents_only_real_hooks():
-    assert HOOKSPECS, "no hookspecs found"
-    assert sorted(readme_hook_sections()) == sorted(HOOKSPECS)
-
-
-@pytest.mark.parametrize("hook", sorted(HOOKSPECS))
-def test_every_hook_is_documented_and_tested(hook):
-    sections = readme_hook_sections()
-    assert hook in sections, f"README.md has no heading for {hook}"
-    # the section opens with the hook's arguments: "`(request, model) -> str` — ..."
-    documented = re.match(r"`\(([^)]*)\)", sections[hook])
-    assert documented, f"README.md's {hook} section does not open with its `(arguments)`"
-    names = [name.strip() for name in documented[1].split(",") if name.strip()]
-    assert names == list(inspect.signature(HOOKSPECS[hook]).parameters), (
-        f"README.md documents {hook}({', '.join(names)})"
-    )
-    # a test "uses" a hook when it implements it in a plugin of its own
-    used = f"def {hook}("
-    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
-    assert used in tests or f'"{hook}": ' in tests, f"no test implements {hook}"
+    monkeypatch.setenv("LOCKGATE_TRACE_PLUGINS", "1")
+    policy = Policy()
+    client = await make_client(tiny_model, plugins=[policy])
+    policy_name = str(id(policy))  # pluggy's name for an unnamed instance
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status == 200, await response.text()
+    response = await client.post("/v1/chat/completions", json={**body, "user": "banned"})
+    assert response.status == 400
+    calls = [r.msg for r in caplog.records if r.name == "lockgate.plugins"]
+    assert all(call["event"] == "hook call" for call in calls)
+    assert all(isinstance(call["duration_ms"], float) and call["duration_ms"] >= 0 for call in calls)
+    # one line per call: the hook, the implementations in calling order, the failure's type
+    assert [
+        {key: value for key, value in call.items() if key in ("hook", "plugins", "error")} for call in calls
+    ] == [
+        {"hook": "lockgate_validate_request", "plugins": [policy_name, "validate"]},
+        {"hook": "lockgate_render_prompt", "plugins": ["template"]},
+        {"hook": "lockgate_tokenize", "plugins": ["tokenize"]},
+        {"hook": "lockgate_enqueue", "plugins": ["enqueue"]},
+        {"hook": "lockgate_validate_request", "plugins": [policy_name, "validate"], "error": "InvalidRequestError"},
+        {"hook": "lockgate_handle_exception", "plugins": ["errors"]},
+    ]
 
 
 def test_models_and_executors_registered_by_plugins(tiny_gguf):

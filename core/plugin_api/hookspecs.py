@@ -4,11 +4,33 @@ Every hook is called with keyword arguments; an implementation takes only the
 arguments it uses. Pipeline hooks run in a worker thread, never on the event
 loop, and must be plain functions (an `async def` implementation is refused at
 registration).
+
+The annotations name lockgate's own types. They are imported for type
+checkers only, so importing this module stays cheap and free of cycles (the
+engine and the models import `hookimpl` from here):
+
+* `GenerationRequest` (`lockgate.plugin_api.request`): the typed, parsed
+  request, a `ChatRequest` or a `CompletionRequest`; its `body` holds the raw
+  JSON for extension fields.
+* `Model` (`lockgate.models`), `ModelSpec` (`lockgate.models`).
+* `Work`, `Engine`, `RequestHandle` (`lockgate.engine`).
+* `ErrorResponse` (`lockgate.errors`).
+* `ModelFile`, `ExecutorOptions`, `Executor` (`lockgate.models.executor`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import pluggy
+
+if TYPE_CHECKING:
+    from lockgate.engine import Engine, RequestHandle, Work
+    from lockgate.errors import ErrorResponse
+    from lockgate.models import Model, ModelSpec
+    from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
+    from lockgate.plugin_api.request import GenerationRequest
 
 PROJECT_NAME = "lockgate"
 
@@ -16,53 +38,73 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
-@hookspec
-def lockgate_validate_request(request, model):
-    """Check a request before any work is done for it.
+# -------------------------------------------------------------------------
+# Request pipeline: validate -> render prompt -> tokenize -> enqueue, in that
+# order, in a worker thread, before any response byte is sent.
+# -------------------------------------------------------------------------
 
-    :param request: the `lockgate.plugin_api.request.Request` (its `body` is the parsed JSON).
-    :param model: the `lockgate.models.Model` the request names.
+
+@hookspec
+def lockgate_validate_request(request: GenerationRequest, model: Model) -> None:
+    """Apply a policy to a request before any work is done for it.
+
+    Parsing has already checked every OpenAI parameter's type and range when
+    this hook runs, so implementations hold *policy* only: limits of this
+    deployment, fields it refuses, checks of extension fields in
+    `request.body`. Runs once per HTTP request.
+
+    :param request: the parsed request (`ChatRequest` or `CompletionRequest`).
+    :param model: the model the request names.
     :returns: nothing; the return value is ignored.
     :raises: any exception to reject the request; `lockgate.errors` classes
-        choose the HTTP status (for example `InvalidRequestError` answers 400).
+        choose the HTTP status (for example `InvalidRequestError` answers 400),
+        others are answered by `lockgate_handle_exception`.
 
     Every implementation runs.
     """
 
 
 @hookspec(firstresult=True)
-def lockgate_render_prompt(request, model):
+def lockgate_render_prompt(request: GenerationRequest, model: Model) -> str | None:
     """Turn the request into the prompt text.
 
     For chat completions the built-in renders `messages` through the model's
-    chat template; for completions it returns the `prompt` string.
+    chat template; for completions it returns the `prompt` string. Called once
+    per prompt; not called when a completions prompt is given as token ids.
 
-    :returns: the prompt as `str`.
+    :param request: the parsed request.
+    :param model: the model the request names.
+    :returns: the prompt, or None to leave it to the next implementation.
     :raises: `lockgate.errors.InvalidMessages` when the template refuses the
-        conversation.
+        conversation; anything else is the server's fault (500).
 
     Stops at the first non-None result.
     """
 
 
 @hookspec(firstresult=True)
-def lockgate_tokenize(prompt, request, model):
+def lockgate_tokenize(prompt: str, request: GenerationRequest, model: Model) -> list[int] | None:
     """Turn the rendered prompt into token ids.
 
     :param prompt: the text `lockgate_render_prompt` returned.
-    :returns: `list[int]` of token ids.
+    :param request: the parsed request the prompt belongs to.
+    :param model: the model whose tokenizer the ids must match.
+    :returns: the token ids, or None to leave it to the next implementation.
+    :raises: `lockgate.errors` classes to reject the prompt; anything else is
+        the server's fault (500).
 
     Stops at the first non-None result.
     """
 
 
 @hookspec(firstresult=True)
-def lockgate_enqueue(work, engine):
+def lockgate_enqueue(work: Work, engine: Engine) -> RequestHandle | None:
     """Hand the prepared work to the engine.
 
-    :param work: a `lockgate.plugin_api.request.Work` (prompt tokens, sampling parameters).
-    :param engine: the model's `lockgate.engine.Engine`.
-    :returns: the `lockgate.engine.RequestHandle` the response is read from.
+    :param work: prompt token ids, sampling parameters and the request id.
+    :param engine: the model's engine; the built-in calls `engine.add(work)`.
+    :returns: the handle the response is read from, or None to leave it to
+        the next implementation.
     :raises: the engine's admission errors (`ContextLengthExceeded`,
         `Overloaded`, `Unavailable`, ...), which reach the client as their
         status before any response byte is sent.
@@ -71,36 +113,59 @@ def lockgate_enqueue(work, engine):
     """
 
 
+# -------------------------------------------------------------------------
+# Errors: called on the event loop for every exception raised while serving.
+# -------------------------------------------------------------------------
+
+
 @hookspec(firstresult=True)
-def lockgate_handle_exception(exception, request):
+def lockgate_handle_exception(
+    exception: BaseException, request: GenerationRequest | None
+) -> ErrorResponse | None:
     """Turn an exception raised while serving into an error response.
 
     :param exception: the exception.
-    :param request: the `lockgate.plugin_api.request.Request` when one had been built,
-        else None.
-    :returns: a `lockgate.plugin_api.request.ErrorResponse`, or None to leave it to the
-        next implementation (the built-in answers every exception).
+    :param request: the parsed request when parsing had succeeded, else None.
+    :returns: the answer, or None to leave it to the next implementation
+        (the built-in answers every exception).
+    :raises: nothing; an implementation that raises is logged and the client
+        gets a generic 500.
 
     Stops at the first non-None result.
     """
 
 
-@hookspec
-def lockgate_register_executors(register):
-    """Offer executors.
+# -------------------------------------------------------------------------
+# Registration: called while a model is loaded, at start-up.
+# -------------------------------------------------------------------------
 
-    :param register: call `register(name, factory)` where `factory(model_file,
-        options)` returns a `lockgate.models.executor.Executor`.
+
+@hookspec
+def lockgate_register_executors(
+    register: Callable[[str, Callable[[ModelFile, ExecutorOptions], Executor]], None],
+) -> None:
+    """Offer executors by name.
+
+    :param register: call `register(name, factory)`; `factory(model_file,
+        options)` returns an `Executor` (prefill, decode, sequences over a
+        paged KV cache). `--executor` chooses one by name.
+    :returns: nothing; the return value is ignored.
+    :raises: `lockgate.errors.ModelLoadError` to stop start-up with a message.
 
     Every implementation runs.
     """
 
 
 @hookspec
-def lockgate_register_models(register):
+def lockgate_register_models(register: Callable[[ModelSpec], None]) -> None:
     """Offer models by name.
 
-    :param register: call `register(lockgate.models.ModelSpec(...))`.
+    :param register: call `register(ModelSpec(name, locate, aliases=...))`;
+        `locate()` returns the GGUF path, and is called only for the model
+        being served.
+    :returns: nothing; the return value is ignored.
+    :raises: `lockgate.errors.ModelLoadError` (best from `locate`) to stop
+        start-up with a message.
 
     Every implementation runs.
     """

@@ -5,9 +5,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable
 
 import pluggy
+import structlog
 
 from lockgate.plugin_api import hookspecs
 from lockgate.errors import PluginError
@@ -29,6 +32,29 @@ DEFAULT_PLUGINS = (
 
 DISABLED_PLUGINS_ENV = "LOCKGATE_DISABLED_PLUGINS"
 DISABLE_AUTOLOAD_ENV = "LOCKGATE_DISABLE_PLUGIN_AUTOLOAD"
+TRACE_PLUGINS_ENV = "LOCKGATE_TRACE_PLUGINS"
+
+#: Built-ins without which every request fails, so `LOCKGATE_DISABLED_PLUGINS`
+#: may not name them: name -> (the hook a plugin implements instead, why).
+REQUIRED_PLUGINS = {
+    "errors": (
+        "lockgate_handle_exception",
+        "it answers errors in OpenAI's shape, and without it every error, a 400 "
+        "included, becomes a 500",
+    ),
+    "enqueue": (
+        "lockgate_enqueue",
+        "it hands each request to the engine, and without it every request fails with a 500",
+    ),
+}
+#: Built-ins that may be blocked only while another plugin implements their
+#: hook: name -> hook.
+REPLACEABLE_PLUGINS = {
+    "template": "lockgate_render_prompt",
+    "tokenize": "lockgate_tokenize",
+}
+
+trace_log = structlog.get_logger("lockgate.plugins")
 
 
 class PluginManager(pluggy.PluginManager):
@@ -38,23 +64,82 @@ class PluginManager(pluggy.PluginManager):
     coroutine, which wins every firstresult call and does nothing.
     """
 
-    def register(self, plugin, name=None):
-        for attr_name in dir(plugin):
-            if not attr_name.startswith("lockgate_"):
-                continue
-            attr = getattr(plugin, attr_name, None)
-            if inspect.iscoroutinefunction(attr) or inspect.isasyncgenfunction(attr):
-                plugin_name = name or getattr(plugin, "__name__", repr(plugin))
-                raise PluginError(
-                    f"plugin {plugin_name!r}: hook {attr_name} is async; lockgate hooks "
-                    "must be plain functions (they run in a worker thread)"
-                )
-        return super().register(plugin, name)
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> pluggy.HookimplOpts | None:
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None:
+            return None
+        function = getattr(plugin, name)
+        if inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function):
+            plugin_name = getattr(plugin, "__name__", type(plugin).__name__)
+            raise PluginError(
+                f"plugin {plugin_name!r}: hook {name} is `async def`, but lockgate hooks must be "
+                "plain functions: pluggy never awaits, so the coroutine would go un-run and win "
+                "every first-result hook. Write it as a plain `def`: the request pipeline's "
+                "hooks run in a worker thread, so they may block."
+            )
+        return opts
 
 
 def _disabled_names() -> set[str]:
     raw = os.environ.get(DISABLED_PLUGINS_ENV, "")
     return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+def _refuse_required(disabled: set[str]) -> None:
+    refused = sorted(disabled & REQUIRED_PLUGINS.keys())
+    if refused:
+        name = refused[0]
+        hook, why = REQUIRED_PLUGINS[name]
+        raise PluginError(
+            f"{DISABLED_PLUGINS_ENV} names {name!r}, a built-in plugin that cannot be disabled: "
+            f"{why}. Remove {name!r} from {DISABLED_PLUGINS_ENV}. To change what it does, "
+            f"implement {hook} in a plugin of your own: built-ins run last, so yours answers first."
+        )
+
+
+def _refuse_unreplaced(pm: pluggy.PluginManager, disabled: set[str]) -> None:
+    for name in sorted(disabled & REPLACEABLE_PLUGINS.keys()):
+        hook = REPLACEABLE_PLUGINS[name]
+        answering = [
+            impl for impl in getattr(pm.hook, hook).get_hookimpls()
+            if not (impl.wrapper or impl.hookwrapper)
+        ]
+        if not answering:
+            raise PluginError(
+                f"{DISABLED_PLUGINS_ENV} names {name!r}, but no other plugin implements {hook}: "
+                f"without one every request would fail with a 500. Install (or register) a plugin that "
+                f"implements {hook}, or remove {name!r} from {DISABLED_PLUGINS_ENV} (a plugin's "
+                f"{hook} answers before the built-in's, so blocking it is rarely needed)."
+            )
+
+
+def trace_hook_calls(pm: pluggy.PluginManager) -> Callable[[], None]:
+    """Log every hook call on `pm`: one "hook call" line on the "lockgate.plugins"
+    logger with `hook`, `plugins` (the implementations pluggy was handed, in
+    the order it calls them; a first-result hook stops at the first non-None
+    answer), `duration_ms`, and `error` (the exception's type name) when the
+    call raised. Returns a function that stops the tracing.
+    """
+    # before/after of one call run on one thread, nested calls inside it
+    starts = threading.local()
+
+    def before(hook_name, hook_impls, kwargs) -> None:
+        if not hasattr(starts, "stack"):
+            starts.stack = []
+        starts.stack.append(time.perf_counter())
+
+    def after(outcome, hook_name, hook_impls, kwargs) -> None:
+        duration_ms = (time.perf_counter() - starts.stack.pop()) * 1000
+        fields: dict[str, object] = {
+            "hook": hook_name,
+            "plugins": [impl.plugin_name for impl in reversed(hook_impls)],
+            "duration_ms": round(duration_ms, 3),
+        }
+        if outcome.exception is not None:
+            fields["error"] = type(outcome.exception).__name__
+        trace_log.info("hook call", **fields)
+
+    return pm.add_hookcall_monitoring(before, after)
 
 
 def get_plugin_manager(*, autoload: bool = True, plugins: Iterable[object] = ()) -> PluginManager:
@@ -65,10 +150,21 @@ def get_plugin_manager(*, autoload: bool = True, plugins: Iterable[object] = ())
     `plugins` (modules, classes or instances, for tests and embedding). Names
     in `LOCKGATE_DISABLED_PLUGINS` (comma separated: a built-in's short name
     such as "validate" or an entry point's name) are blocked.
+    `LOCKGATE_TRACE_PLUGINS=1` logs every hook call (`trace_hook_calls`).
+
+    :raises PluginError: a plugin has an `async def` hook; or
+        `LOCKGATE_DISABLED_PLUGINS` names `errors` or `enqueue`, or names
+        `template` or `tokenize` while no other plugin implements their hook
+        (without them every request would fail).
+    :raises pluggy.PluginValidationError: a plugin implements a hook that
+        does not exist, or takes an argument its hook does not pass.
     """
+    disabled = _disabled_names()
+    # refused before any third-party code is imported
+    _refuse_required(disabled)
     pm = PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    for name in _disabled_names():
+    for name in disabled:
         pm.set_blocked(name)
     for module_name in DEFAULT_PLUGINS:
         short_name = module_name.rsplit(".", 1)[1]
@@ -80,6 +176,9 @@ def get_plugin_manager(*, autoload: bool = True, plugins: Iterable[object] = ())
     for plugin in plugins:
         pm.register(plugin)
     pm.check_pending()
+    _refuse_unreplaced(pm, disabled)
+    if os.environ.get(TRACE_PLUGINS_ENV, "") not in ("", "0"):
+        trace_hook_calls(pm)
     return pm
 
 

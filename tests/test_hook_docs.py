@@ -1,0 +1,113 @@
+"""The README's hook reference against the hookspecs: a heading per hook with
+its signature as the code has it, its docstring's first line, how it is
+called, its phase; no hook the code lacks; and a test implementing each."""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+import re
+
+import pytest
+
+from lockgate.plugin_api import hookspecs
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+#: every function `lockgate.plugin_api.hookspecs` marks as a hookspec, in source order
+HOOKSPECS = {
+    name: function for name, function in vars(hookspecs).items()
+    if hasattr(function, f"{hookspecs.PROJECT_NAME}_spec")
+}
+STOPS_AT_FIRST = "Stops at the first non-None result."
+EVERY_ONE_RUNS = "Every implementation runs."
+
+
+def hook_signature(function) -> str:
+    """`name(arg: Annotation, ...) -> Return` as the hookspec writes it
+    (annotations are strings there, shown without quotes)."""
+    signature = inspect.signature(function)
+    params = ", ".join(f"{name}: {param.annotation}" for name, param in signature.parameters.items())
+    return f"{function.__name__}({params}) -> {signature.return_annotation}"
+
+
+def hook_phases() -> dict[str, str]:
+    """Each hook's phase: the section comment above it in hookspecs.py
+    ("# Request pipeline: ..." under a "# ----" rule), lower case."""
+    phases, phase, after_rule = {}, None, False
+    for line in inspect.getsource(hookspecs).splitlines():
+        if line.startswith("# ---"):
+            after_rule = True
+            continue
+        if after_rule and (match := re.match(r"# ([A-Z][\w ]*?):", line)):
+            phase = match[1].lower()
+        after_rule = False
+        if match := re.match(r"def (lockgate_\w+)\(", line):
+            phases[match[1]] = phase
+    return phases
+
+
+def readme_hook_sections() -> dict[str, tuple[str, str]]:
+    """The README's `#### `lockgate_...`` sections: hook name -> (the phase of
+    the `### Hooks: phase` heading above it, the text under it)."""
+    sections: dict[str, tuple[str, str]] = {}
+    phase = None
+    for part in re.split(r"^(?=#{1,4} )", README, flags=re.M):
+        heading, _, body = part.partition("\n")
+        if match := re.fullmatch(r"### Hooks: (.+)", heading):
+            phase = match[1]
+        elif match := re.fullmatch(r"#### `(lockgate_\w+)`", heading):
+            assert match[1] not in sections, f"README.md documents {match[1]} twice"
+            sections[match[1]] = (phase, body)
+    return sections
+
+
+def test_hookspecs_are_found_and_grouped():
+    assert HOOKSPECS, "no hookspecs found"
+    phases = hook_phases()
+    assert set(phases) == set(HOOKSPECS)
+    assert set(phases.values()) == {"request pipeline", "errors", "registration"}
+
+
+def test_readme_documents_every_hook_and_no_other():
+    sections = readme_hook_sections()
+    assert list(sections) == list(HOOKSPECS), "README.md's hook headings differ from the hookspecs (or their order)"
+    # a hook named anywhere else (prose, examples) exists too
+    named = set(re.findall(r"`(lockgate_\w+)`", README)) | set(re.findall(r"\b(lockgate_\w+)\(", README))
+    assert named <= set(HOOKSPECS), f"README.md names hooks that do not exist: {sorted(named - set(HOOKSPECS))}"
+
+
+@pytest.mark.parametrize("hook", list(HOOKSPECS))
+def test_readme_section_matches_the_hookspec(hook):
+    function = HOOKSPECS[hook]
+    phase, body = readme_hook_sections()[hook]
+    assert phase == hook_phases()[hook], f"README.md puts {hook} under 'Hooks: {phase}'"
+    documented = re.search(r"```python\n(.*?)\n```", body, flags=re.S)
+    assert documented, f"README.md's {hook} section shows no signature"
+    assert documented[1] == hook_signature(function)
+    docstring = inspect.getdoc(function)
+    first_line = docstring.split("\n\n", 1)[0].replace("\n", " ")
+    prose = " ".join(body[documented.end():].split())
+    assert first_line in prose, f"README.md's {hook} section does not say {first_line!r}"
+    calling = STOPS_AT_FIRST if getattr(function, f"{hookspecs.PROJECT_NAME}_spec")["firstresult"] else EVERY_ONE_RUNS
+    assert docstring.endswith(calling), f"{hook}'s docstring does not end with {calling!r}"
+    assert calling in prose, f"README.md's {hook} section does not say {calling!r}"
+
+
+@pytest.mark.parametrize("hook", list(HOOKSPECS))
+def test_every_hookspec_is_annotated_and_documented(hook):
+    function = HOOKSPECS[hook]
+    signature = inspect.signature(function)
+    assert signature.return_annotation is not inspect.Signature.empty, f"{hook} has no return annotation"
+    docstring = inspect.getdoc(function)
+    for name, param in signature.parameters.items():
+        assert param.annotation is not inspect.Parameter.empty, f"{hook}: {name} has no annotation"
+        assert f":param {name}:" in docstring, f"{hook}'s docstring does not describe {name}"
+    assert ":returns:" in docstring and ":raises:" in docstring, f"{hook}'s docstring lacks :returns: or :raises:"
+
+
+@pytest.mark.parametrize("hook", list(HOOKSPECS))
+def test_every_hook_is_implemented_by_a_test(hook):
+    # a test "uses" a hook when it implements it in a plugin of its own
+    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    assert f"def {hook}(" in tests or f'"{hook}": ' in tests, f"no test implements {hook}"
