@@ -22,6 +22,7 @@ from tiny_model import write_tiny_gguf  # noqa: E402
 from lockgate.errors import ModelLoadError  # noqa: E402
 from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
 from lockgate.models.config import LlamaConfig  # noqa: E402
+from lockgate.models.gguf_metadata import GGUFMetadata  # noqa: E402
 
 PROMPT = [1, 70, 71, 72, 260, 261, 262, 30, 40, 50, 2, 198]
 DECODE_TOKENS = [265, 3, 100, 290]
@@ -391,21 +392,49 @@ def test_second_start_reuses_compiled_library(tiny_files, tmp_path):
 
 
 def test_weight_errors_are_model_load_errors(tiny_files):
-    from lockgate.plugins.tvm.weights import load_gguf_weights
+    from lockgate.plugins.tvm.weights import GGUFTensors, iter_gguf_weights
 
-    reader = gguf.GGUFReader(tiny_files["F32"])
-    config = LlamaConfig.from_gguf(reader)
+    path = tiny_files["F32"]
+    metadata = GGUFMetadata(path)
+    config = LlamaConfig.from_gguf(metadata)
+    tensors = GGUFTensors(metadata)  # as the executor reads them
+
+    def load(config, params):
+        return list(iter_gguf_weights(tensors, config, params))
+
     params = [("lm_head.weight", (64, 299)), ("layers.0.input_layernorm.weight", (64,))]
-    arrays = load_gguf_weights(reader, config, params)
-    assert [a.shape for a in arrays] == [(64, 299), (64,)]
+    head, norm = load(config, params)
+    reader = gguf.GGUFReader(path)
+    np.testing.assert_array_equal(head, _read(reader, "token_embd.weight").T.astype(np.float32))
+    np.testing.assert_array_equal(norm, _read(reader, "blk.0.attn_norm.weight").astype(np.float32))
 
     wrong = dataclasses.replace(config, intermediate_size=96)
     with pytest.raises(ModelLoadError, match="ffn_gate"):
-        load_gguf_weights(reader, wrong, [("layers.0.mlp.gate_up_proj.weight", (64, 192))])
+        load(wrong, [("layers.0.mlp.gate_up_proj.weight", (64, 192))])
     with pytest.raises(ModelLoadError, match="blk.7"):
-        load_gguf_weights(reader, config, [("layers.7.input_layernorm.weight", (64,))])
+        load(config, [("layers.7.input_layernorm.weight", (64,))])
     with pytest.raises(ModelLoadError, match="no GGUF tensor"):
-        load_gguf_weights(reader, config, [("bogus.weight", (1,))])
+        load(config, [("bogus.weight", (1,))])
+
+
+def test_a_load_parses_the_gguf_header_once(tiny_gguf, compile_cache, monkeypatch):
+    """The config, the tokenizer and the executor's tensor table all come
+    from one parse of the header (`ModelFile.metadata`)."""
+    from lockgate.models import gguf_metadata, load_model
+    from lockgate.plugin_api.manager import get_plugin_manager
+
+    parses = []
+    parse = gguf_metadata._parse
+
+    def counted(buf):
+        parses.append(1)
+        return parse(buf)
+
+    monkeypatch.setattr(gguf_metadata, "_parse", counted)
+    options = ExecutorOptions(max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=compile_cache)
+    model = load_model(get_plugin_manager(autoload=False), str(tiny_gguf), executor_options=options)
+    model.executor.close()
+    assert len(parses) == 1
 
 
 @pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
@@ -416,14 +445,15 @@ def test_tensor_index_and_dequantize_match_gguf(kind, tiny_files):
     reader = gguf.GGUFReader(path)
     index = read_tensor_index(path)
     assert set(index) == {t.name for t in reader.tensors}
-    ours, theirs = GGUFTensors(path), GGUFTensors(reader)
+    # the header the loader already read gives the same table
+    assert read_tensor_index(GGUFMetadata(path)).keys() == index.keys()
+    ours = GGUFTensors(path)
     for t in reader.tensors:
         assert index[t.name].shape == tuple(int(d) for d in t.shape)
         assert index[t.name].tensor_type == t.tensor_type
         shape = tuple(reversed(index[t.name].shape))
         expected = _read(reader, t.name).astype(np.float32)
         np.testing.assert_array_equal(ours._read(t.name, shape), expected)
-        np.testing.assert_array_equal(theirs._read(t.name, shape), expected)
 
 
 def test_not_a_gguf_file_is_a_model_load_error(tmp_path):
@@ -460,9 +490,9 @@ def test_repacked_codes_are_bit_exact(kind, tiny_files):
     path = tiny_files[kind]
     reader = gguf.GGUFReader(path)
     fmt = kind.lower()
-    formats = linear_formats(path, LlamaConfig.from_gguf(reader))
-    assert set(formats.values()) == {fmt}
     tensors = GGUFTensors(path)
+    formats = linear_formats(tensors, LlamaConfig.from_gguf(reader))
+    assert set(formats.values()) == {fmt}
     checked = 0
     for t in reader.tensors:
         if t.tensor_type != gguf.GGMLQuantizationType[kind]:
@@ -477,8 +507,8 @@ def test_repacked_codes_are_bit_exact(kind, tiny_files):
 
 
 def test_unsupported_or_mixed_types_fall_back_to_f16(tmp_path):
-    from lockgate.plugins.tvm.weights import linear_formats
+    from lockgate.plugins.tvm.weights import GGUFTensors, linear_formats
 
     path = write_tiny_gguf(tmp_path / "q5.gguf", tensor_type="Q5_0")
-    formats = linear_formats(path, LlamaConfig.from_gguf(gguf.GGUFReader(path)))
+    formats = linear_formats(GGUFTensors(path), LlamaConfig.from_gguf(gguf.GGUFReader(path)))
     assert set(formats.values()) == {"f16"}

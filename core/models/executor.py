@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from lockgate.models.config import LlamaConfig
+from lockgate.models.gguf_metadata import GGUFMetadata
 from lockgate.settings import setting_default
 
 
@@ -47,6 +48,10 @@ class ModelFile:
 
     path: Path
     config: LlamaConfig
+    #: the file's metadata and tensor table as the loader already read them,
+    #: so an executor need not parse the header again; None when the caller
+    #: did not read them (the executor then reads them from `path`)
+    metadata: GGUFMetadata | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class Executor(abc.ABC):

@@ -134,15 +134,17 @@ def load_model(
         )
     progress = executor_options.progress or (lambda message: None)
     progress(f"reading {path}")
-    reader = GGUFMetadata(path)
-    config = LlamaConfig.from_gguf(reader)
-    tokenizer = load_tokenizer(reader, chat_template=chat_template)
-    eos_ids = eos_token_ids(reader, tokenizer)
-    del reader
+    # The header is parsed once: the config, the tokenizer and the executor
+    # (through `ModelFile.metadata`) all read this copy.
+    metadata = GGUFMetadata(path)
+    config = LlamaConfig.from_gguf(metadata)
+    tokenizer = load_tokenizer(metadata, chat_template=chat_template)
+    eos_ids = eos_token_ids(metadata, tokenizer)
     # the grammar engine's copy of the vocabulary, built once so the first
     # structured-output request does not pay for it
     prepare_tokenizer(tokenizer, eos_token_ids=eos_ids)
-    backend = factories[executor](ModelFile(path=path, config=config), executor_options)
+    backend = factories[executor](ModelFile(path=path, config=config, metadata=metadata), executor_options)
+    del metadata
     engine = Engine(
         backend,
         tokenizer,

@@ -81,7 +81,7 @@ class TVMExecutor(Executor):
         from tvm_ffi import Shape
 
         from lockgate.plugins.tvm.compile import compile_model, resolve_target
-        from lockgate.plugins.tvm.weights import iter_gguf_weights, linear_formats
+        from lockgate.plugins.tvm.weights import GGUFTensors, iter_gguf_weights, linear_formats
 
         self._progress = options.progress or (lambda _msg: None)
         self._Shape = Shape
@@ -89,9 +89,12 @@ class TVMExecutor(Executor):
         self.config = config
         target = resolve_target(options.target)
         try:
-            formats = linear_formats(model_file.path, config) if target.kind.name == "llvm" else {}
+            # the header as the loader already read it, else read here: once either way
+            source = model_file.metadata if model_file.metadata is not None else model_file.path
+            tensors = GGUFTensors(source)
         except OSError as exc:
             raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
+        formats = linear_formats(tensors, config) if target.kind.name == "llvm" else {}
         self.compiled = compile_model(config, target, options.cache_dir, options.progress, formats)
         self.device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
 
@@ -100,11 +103,12 @@ class TVMExecutor(Executor):
             self._params = [
                 tvm.runtime.tensor(array, self.device)
                 for array in iter_gguf_weights(
-                    model_file.path, config, self.compiled.params, options.progress, self.compiled.formats
+                    tensors, config, self.compiled.params, options.progress, self.compiled.formats
                 )
             ]
         except OSError as exc:
             raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
+        del tensors  # unmaps the file
         _release_loading_memory()
 
         # On the CPU the VM's default pooled allocator keeps a buffer for every

@@ -19,6 +19,12 @@ and:
 * vectorize the q·k dot products and the weighted sum of values over the
   head dimension.
 
+The three differ only in where a query's keys lie and how work is split;
+`_attend`, the loop over a query's blocks of keys, is written once and
+expanded into each (TVMScript macros are inlined when the kernel is parsed).
+Each signature lists its arguments one role to a line: queries, keys and
+values or pages, rotary positions, outputs, scalars.
+
 Queries and keys arrive with RoPE already applied (the model uses
 `RopeMode.NORMAL`), so the kernels ignore their rotary arguments. TVM 0.27
 builds its CPU KV pages 16 tokens long whatever the runtime page size, and
@@ -30,53 +36,138 @@ from __future__ import annotations
 import contextlib
 import math
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 _LOG2E = math.log2(math.exp(1))
 _KEY_BLOCK = 16
 _LANES = 8
+#: the running maximum starts here rather than at -inf, so exp2 of a
+#: difference of two maxima is never exp2(inf - inf)
+_NO_SCORE = -5e4
+
+
+@T.macro
+def _attend(q, row, h, group_size, visible, block_len, block_at, key, value, sm_scale, output, lse):
+    """Attention of query `q[row, h]` over the first `visible` keys of its
+    sequence, written to `output[row, h]` and `lse[row, h]`.
+
+    The keys come in blocks of `block_len`: `block_at(p)` locates block `p`
+    (a page number, or the row of the block's first key), and
+    `key(block, j, kv_head, i)` and `value(...)` read element `i` of key or
+    value `j` of that block. Scores are kept in the log2 domain; what was
+    summed under an old maximum is rescaled once per block. A query that
+    sees no key gets zeros and the empty score.
+    """
+    scores = T.sblock_alloc_buffer((block_len,), "float32", scope="local")
+    acc = T.sblock_alloc_buffer((output.shape[2],), "float32", scope="local")
+    partial = T.sblock_alloc_buffer((_LANES,), "float32", scope="local")
+    # running maximum, running denominator, maximum of the block at hand
+    state = T.sblock_alloc_buffer((3,), "float32", scope="local")
+    h_kv: T.let[T.int32] = h // group_size
+    scale: T.let[T.float32] = sm_scale * T.float32(_LOG2E)
+    state[0] = T.float32(_NO_SCORE)
+    state[1] = T.float32(0)
+    for i in T.vectorized(output.shape[2]):
+        acc[i] = T.float32(0)
+    for p in T.serial((T.max(visible, 0) + block_len - 1) // block_len):
+        block: T.let[T.int32] = block_at(p)
+        state[2] = state[0]
+        for j in T.serial(block_len):
+            if p * block_len + j < visible:
+                for lane in T.vectorized(_LANES):
+                    partial[lane] = T.float32(0)
+                for c in T.serial(q.shape[2] // _LANES):
+                    for lane in T.vectorized(_LANES):
+                        partial[lane] = partial[lane] + T.Cast("float32", q[row, h, c * _LANES + lane]) * T.Cast(
+                            "float32", key(block, j, h_kv, c * _LANES + lane)
+                        )
+                scores[j] = (
+                    (partial[0] + partial[1]) + (partial[2] + partial[3])
+                    + ((partial[4] + partial[5]) + (partial[6] + partial[7]))
+                ) * scale
+                state[2] = T.max(state[2], scores[j])
+        for i in T.vectorized(output.shape[2]):
+            acc[i] = acc[i] * T.exp2(state[0] - state[2])
+        state[1] = state[1] * T.exp2(state[0] - state[2])
+        state[0] = state[2]
+        for j in T.serial(block_len):
+            if p * block_len + j < visible:
+                scores[j] = T.exp2(scores[j] - state[0])
+                state[1] = state[1] + scores[j]
+                for i in T.vectorized(output.shape[2]):
+                    acc[i] = acc[i] + scores[j] * T.Cast("float32", value(block, j, h_kv, i))
+    if state[1] > T.float32(0):
+        for i in T.vectorized(output.shape[2]):
+            output[row, h, i] = T.Cast(output.dtype, acc[i] / state[1])
+        lse[row, h] = state[0] + T.log2(state[1])
+    else:
+        for i in T.vectorized(output.shape[2]):
+            output[row, h, i] = T.Cast(output.dtype, T.float32(0))
+        lse[row, h] = T.float32(_NO_SCORE)
+
+
+@T.macro
+def _attend_prefill(b, work, q_indptr, kv_len, causal, q, group_size, block_len, block_at, key, value, sm_scale, output, lse):
+    """Work item `work` of sequence `b` in a prefill chunk: `_attend` for
+    query `work % q_len` of the sequence and head `work // q_len`, heads
+    outermost so each thread gets whole heads and the causal triangle's
+    work splits evenly. The chunk's queries are the last of the
+    sequence's `kv_len` keys."""
+    q_len: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
+    row: T.let[T.int32] = work % q_len
+    h: T.let[T.int32] = work // q_len
+    q_row: T.let[T.int32] = q_indptr[b] + row
+    kv_len_b: T.let[T.int32] = kv_len
+    visible: T.let[T.int32] = T.if_then_else(causal > 0, T.min(kv_len_b - q_len + row + 1, kv_len_b), kv_len_b)
+    _attend(q, q_row, h, group_size, visible, block_len, block_at, key, value, sm_scale, output, lse)
+
+
+def _paged_cache(var_pages, var_page_indptr, var_page_values, var_length_info, batch_size, h_kv, page_size, d, dtype):
+    """Declare the KV pages and the batch's page table, as the cache passes
+    them to its paged kernels: (pages, page_indptr, page_values,
+    last_page_len). Called while a kernel is parsed, like `T.match_buffer`.
+    """
+    max_num_pages, nnz_pages = tirx.Var("max_num_pages", "int32"), tirx.Var("nnz_pages", "int32")
+    return (
+        T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype),
+        T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", offset_factor=1),
+        T.match_buffer(var_page_values, (nnz_pages,), "int32", offset_factor=1),
+        T.match_buffer(var_length_info, (batch_size,), "int32", offset_factor=1),
+    )
+
+
+def _paged_kv_len(num_pages, last_page_len, page_size):
+    """Keys a sequence holds in `num_pages` pages, the last `last_page_len` long."""
+    return T.if_then_else(num_pages > 0, (num_pages - 1) * page_size + last_page_len, 0)
 
 
 def attention_prefill_ragged_cpu(h_kv, h_q, d_qk, d_v, dtype, rope_scaling):
     """Drop-in for `kv_cache._attention_prefill_ragged_cpu` (same arguments)."""
     group_size = h_q // h_kv
     assert d_qk % _LANES == 0, "head dimension must be a multiple of 8"
-    chunks = d_qk // _LANES
     blk = _KEY_BLOCK
 
     @T.prim_func(s_tir=True)
     def batch_prefill_ragged_kv(
-        var_q: T.handle,
-        var_q_indptr: T.handle,
-        var_k: T.handle,
-        var_v: T.handle,
-        var_kv_indptr: T.handle,
-        var_q_rope_position: T.handle,
-        var_k_rope_pos_offset: T.handle,
-        var_output: T.handle,
-        var_lse: T.handle,
-        causal: T.int32,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
+        var_q: T.handle, var_q_indptr: T.handle,
+        var_k: T.handle, var_v: T.handle, var_kv_indptr: T.handle,
+        var_q_rope_position: T.handle, var_k_rope_pos_offset: T.handle,
+        var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
     ):
         T.func_attr({"tirx.is_scheduled": True})
         batch_size = T.int32()
         qo_len = T.int32()
         kv_len = T.int32()
-        q_indptr_elem_offset = T.int32()
-        kv_indptr_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
 
         q = T.match_buffer(var_q, (qo_len, h_q, d_qk), dtype)
-        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", offset_factor=1)
         k = T.match_buffer(var_k, (kv_len, h_kv, d_qk), dtype)
         v = T.match_buffer(var_v, (kv_len, h_kv, d_v), dtype)
-        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_elem_offset)
-        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_position_elem_offset)
-        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_pos_offset_elem_offset)
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", offset_factor=1)
+        # unused (RoPE is already applied), but the only argument whose shape binds batch_size
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", offset_factor=1)
         output = T.match_buffer(var_output, (qo_len, h_q, d_v), dtype)
         lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
 
@@ -85,60 +176,13 @@ def attention_prefill_ragged_cpu(h_kv, h_q, d_qk, d_v, dtype, rope_scaling):
                 with T.sblock("attn"):
                     T.reads(q[:, :, :], k[:, :, :], v[:, :, :], q_indptr[:], kv_indptr[:])
                     T.writes(output[:, :, :], lse[:, :])
-                    scores = T.sblock_alloc_buffer((blk,), "float32", scope="local")
-                    acc = T.sblock_alloc_buffer((d_v,), "float32", scope="local")
-                    partial = T.sblock_alloc_buffer((_LANES,), "float32", scope="local")
-                    state = T.sblock_alloc_buffer((3,), "float32", scope="local")
-                    q_len_b: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                    kv_len_b: T.let[T.int32] = kv_indptr[b + 1] - kv_indptr[b]
-                    h: T.let[T.int32] = work // q_len_b
-                    row: T.let[T.int32] = work % q_len_b
-                    h_kv_idx: T.let[T.int32] = h // group_size
-                    q_row: T.let[T.int32] = q_indptr[b] + row
-                    visible: T.let[T.int32] = T.if_then_else(
-                        causal > 0, T.min(kv_len_b - q_len_b + row + 1, kv_len_b), kv_len_b
+                    _attend_prefill(
+                        b, work, q_indptr, kv_indptr[b + 1] - kv_indptr[b], causal, q, group_size, blk,
+                        lambda p: kv_indptr[b] + p * blk,
+                        lambda first, j, head, i: k[first + j, head, i],
+                        lambda first, j, head, i: v[first + j, head, i],
+                        sm_scale, output, lse,
                     )
-                    scale: T.let[T.float32] = sm_scale * T.float32(_LOG2E)
-                    # state: running max, running denominator, block max
-                    state[0] = T.float32(-5e4)
-                    state[1] = T.float32(0)
-                    for i in T.vectorized(d_v):
-                        acc[i] = T.float32(0)
-                    for kb in T.serial((visible + blk - 1) // blk):
-                        state[2] = state[0]
-                        for j in T.serial(blk):
-                            if kb * blk + j < visible:
-                                for lane in T.vectorized(_LANES):
-                                    partial[lane] = T.float32(0)
-                                for c in T.serial(chunks):
-                                    for lane in T.vectorized(_LANES):
-                                        partial[lane] = partial[lane] + T.Cast(
-                                            "float32", q[q_row, h, c * _LANES + lane]
-                                        ) * T.Cast(
-                                            "float32",
-                                            k[kv_indptr[b] + kb * blk + j, h_kv_idx, c * _LANES + lane],
-                                        )
-                                scores[j] = (
-                                    (partial[0] + partial[1]) + (partial[2] + partial[3])
-                                    + ((partial[4] + partial[5]) + (partial[6] + partial[7]))
-                                ) * scale
-                                state[2] = T.max(state[2], scores[j])
-                        # Rescale what was summed under the old maximum once per block.
-                        for i in T.vectorized(d_v):
-                            acc[i] = acc[i] * T.exp2(state[0] - state[2])
-                        state[1] = state[1] * T.exp2(state[0] - state[2])
-                        state[0] = state[2]
-                        for j in T.serial(blk):
-                            if kb * blk + j < visible:
-                                scores[j] = T.exp2(scores[j] - state[0])
-                                state[1] = state[1] + scores[j]
-                                for i in T.vectorized(d_v):
-                                    acc[i] = acc[i] + scores[j] * T.Cast(
-                                        "float32", v[kv_indptr[b] + kb * blk + j, h_kv_idx, i]
-                                    )
-                    for i in T.vectorized(d_v):
-                        output[q_row, h, i] = T.Cast(dtype, acc[i] / state[1])
-                    lse[q_row, h] = state[0] + T.log2(state[1])
 
     return batch_prefill_ragged_kv
 
@@ -162,100 +206,42 @@ def attention_decode_cpu(
     h_qo, h_kv, d = num_qo_heads, num_kv_heads, head_dim
     group_size = h_qo // h_kv
     assert d % _LANES == 0, "head dimension must be a multiple of 8"
-    chunks = d // _LANES
 
     @T.prim_func(s_tir=True)
     def batch_decode_paged_kv(
         Q_handle: T.handle,
-        pages_handle: T.handle,
-        page_table_indptr_handle: T.handle,
-        page_table_values_handle: T.handle,
-        var_length_info: T.handle,
-        k_rope_pos_offset_handle: T.handle,
-        q_rope_position_handle: T.handle,
-        output_handle: T.handle,
-        lse_handle: T.handle,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
+        pages_handle: T.handle, page_table_indptr_handle: T.handle, page_table_values_handle: T.handle, var_length_info: T.handle,
+        k_rope_pos_offset_handle: T.handle, q_rope_position_handle: T.handle,
+        output_handle: T.handle, lse_handle: T.handle,
+        rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
     ):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "batch_decode_paged_kv_cpu"})
         B = T.int32()
-        nnz_pages = T.int32()
-        max_num_pages = T.int32()
-        page_indptr_elem_offset = T.int32()
-        page_values_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        length_info_elem_offset = T.int32()
 
         Q = T.match_buffer(Q_handle, (B, h_qo, d), qkv_dtype)
-        pages = T.match_buffer(pages_handle, (max_num_pages, 2, h_kv, page_size, d), qkv_dtype)
-        page_table_indptr = T.match_buffer(page_table_indptr_handle, (B + 1,), "int32", elem_offset=page_indptr_elem_offset)
-        page_table_values = T.match_buffer(page_table_values_handle, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
-        k_rope_pos_offset = T.match_buffer(k_rope_pos_offset_handle, (B,), "int32", elem_offset=k_rope_pos_offset_elem_offset)
-        q_rope_position = T.match_buffer(q_rope_position_handle, (B,), "int32", elem_offset=q_rope_position_elem_offset)
+        pages, page_table_indptr, page_table_values, last_page_len = _paged_cache(
+            pages_handle, page_table_indptr_handle, page_table_values_handle, var_length_info,
+            B, h_kv, page_size, d, qkv_dtype,
+        )
         output = T.match_buffer(output_handle, (B, h_qo, d), qkv_dtype)
         lse = T.match_buffer(lse_handle, (B, h_qo), "float32")
-        last_page_len = T.match_buffer(var_length_info, (B,), "int32", elem_offset=length_info_elem_offset)
 
         for work in T.parallel(B * h_qo):
             with T.sblock("attn"):
                 T.reads(Q[:, :, :], pages[:, :, :, :, :], page_table_indptr[:], page_table_values[:], last_page_len[:])
                 T.writes(output[:, :, :], lse[:, :])
-                scores = T.sblock_alloc_buffer((page_size,), "float32", scope="local")
-                acc = T.sblock_alloc_buffer((d,), "float32", scope="local")
-                partial = T.sblock_alloc_buffer((_LANES,), "float32", scope="local")
-                state = T.sblock_alloc_buffer((3,), "float32", scope="local")
                 b: T.let[T.int32] = work // h_qo
                 h: T.let[T.int32] = work % h_qo
-                h_kv_idx: T.let[T.int32] = h // group_size
                 first_page: T.let[T.int32] = page_table_indptr[b]
                 num_pages: T.let[T.int32] = page_table_indptr[b + 1] - first_page
-                scale: T.let[T.float32] = sm_scale * T.float32(_LOG2E)
-                state[0] = T.float32(-5e4)
-                state[1] = T.float32(0)
-                for i in T.vectorized(d):
-                    acc[i] = T.float32(0)
-                for p in T.serial(num_pages):
-                    page_no: T.let[T.int32] = page_table_values[first_page + p]
-                    rows: T.let[T.int32] = T.if_then_else(p == num_pages - 1, last_page_len[b], page_size)
-                    state[2] = state[0]
-                    for j in T.serial(page_size):
-                        if j < rows:
-                            for lane in T.vectorized(_LANES):
-                                partial[lane] = T.float32(0)
-                            for c in T.serial(chunks):
-                                for lane in T.vectorized(_LANES):
-                                    partial[lane] = partial[lane] + T.Cast(
-                                        "float32", Q[b, h, c * _LANES + lane]
-                                    ) * T.Cast("float32", pages[page_no, 0, h_kv_idx, j, c * _LANES + lane])
-                            scores[j] = (
-                                (partial[0] + partial[1]) + (partial[2] + partial[3])
-                                + ((partial[4] + partial[5]) + (partial[6] + partial[7]))
-                            ) * scale
-                            state[2] = T.max(state[2], scores[j])
-                    for i in T.vectorized(d):
-                        acc[i] = acc[i] * T.exp2(state[0] - state[2])
-                    state[1] = state[1] * T.exp2(state[0] - state[2])
-                    state[0] = state[2]
-                    for j in T.serial(page_size):
-                        if j < rows:
-                            scores[j] = T.exp2(scores[j] - state[0])
-                            state[1] = state[1] + scores[j]
-                            for i in T.vectorized(d):
-                                acc[i] = acc[i] + scores[j] * T.Cast(
-                                    "float32", pages[page_no, 1, h_kv_idx, j, i]
-                                )
-                if state[1] > T.float32(0):
-                    for i in T.vectorized(d):
-                        output[b, h, i] = T.Cast(qkv_dtype, acc[i] / state[1])
-                    lse[b, h] = state[0] + T.log2(state[1])
-                else:
-                    for i in T.vectorized(d):
-                        output[b, h, i] = T.Cast(qkv_dtype, T.float32(0))
-                    lse[b, h] = T.float32(-5e4)
+                kv_len: T.let[T.int32] = _paged_kv_len(num_pages, last_page_len[b], page_size)
+                _attend(
+                    Q, b, h, group_size, kv_len, page_size,
+                    lambda p: page_table_values[first_page + p],
+                    lambda page, j, head, i: pages[page, 0, head, j, i],
+                    lambda page, j, head, i: pages[page, 1, head, j, i],
+                    sm_scale, output, lse,
+                )
 
     return batch_decode_paged_kv
 
@@ -277,111 +263,42 @@ def attention_prefill_paged_cpu(
         )
     group_size = h_q // h_kv
     assert d % _LANES == 0, "head dimension must be a multiple of 8"
-    chunks = d // _LANES
 
     @T.prim_func(s_tir=True)
     def batch_prefill_paged_kv_cpu(
-        var_q: T.handle,
-        var_q_indptr: T.handle,
-        var_pages: T.handle,
-        var_page_indptr: T.handle,
-        var_page_values: T.handle,
-        var_length_info: T.handle,
-        var_k_rope_pos_offset: T.handle,
-        var_q_rope_position: T.handle,
-        var_output: T.handle,
-        var_lse: T.handle,
-        causal: T.int32,
-        rotary_mode: T.int32,
-        rope_scale: T.float32,
-        rope_theta: T.float32,
-        sm_scale: T.float32,
+        var_q: T.handle, var_q_indptr: T.handle,
+        var_pages: T.handle, var_page_indptr: T.handle, var_page_values: T.handle, var_length_info: T.handle,
+        var_k_rope_pos_offset: T.handle, var_q_rope_position: T.handle,
+        var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
     ):
         T.func_attr({"tirx.is_scheduled": True, "global_symbol": "batch_prefill_paged_kv_cpu"})
         batch_size = T.int32()
         total_len = T.int32()
-        nnz_pages = T.int32()
-        max_num_pages = T.int32()
-        q_indptr_elem_offset = T.int32()
-        page_indptr_elem_offset = T.int32()
-        page_values_elem_offset = T.int32()
-        k_rope_pos_offset_elem_offset = T.int32()
-        q_rope_position_elem_offset = T.int32()
-        length_info_elem_offset = T.int32()
 
         q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
-        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_elem_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, page_size, d), dtype)
-        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_elem_offset)
-        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_elem_offset)
-        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_pos_offset_elem_offset)
-        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=q_rope_position_elem_offset)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", offset_factor=1)
+        pages, page_indptr, page_values, last_page_len = _paged_cache(
+            var_pages, var_page_indptr, var_page_values, var_length_info, batch_size, h_kv, page_size, d, dtype
+        )
         output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
-        last_page_len = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_elem_offset)
 
         for b in T.serial(batch_size):
             for work in T.parallel(h_q * (q_indptr[b + 1] - q_indptr[b])):
                 with T.sblock("attn"):
                     T.reads(q[:, :, :], pages[:, :, :, :, :], q_indptr[:], page_indptr[:], page_values[:], last_page_len[:])
                     T.writes(output[:, :, :], lse[:, :])
-                    scores = T.sblock_alloc_buffer((page_size,), "float32", scope="local")
-                    acc = T.sblock_alloc_buffer((d,), "float32", scope="local")
-                    partial = T.sblock_alloc_buffer((_LANES,), "float32", scope="local")
-                    state = T.sblock_alloc_buffer((3,), "float32", scope="local")
-                    q_len_b: T.let[T.int32] = q_indptr[b + 1] - q_indptr[b]
-                    h: T.let[T.int32] = work // q_len_b
-                    row: T.let[T.int32] = work % q_len_b
-                    h_kv_idx: T.let[T.int32] = h // group_size
-                    q_row: T.let[T.int32] = q_indptr[b] + row
                     first_page: T.let[T.int32] = page_indptr[b]
                     num_pages: T.let[T.int32] = page_indptr[b + 1] - first_page
-                    kv_len_b: T.let[T.int32] = T.if_then_else(
-                        num_pages > 0, (num_pages - 1) * page_size + last_page_len[b], 0
+                    _attend_prefill(
+                        b, work, q_indptr, _paged_kv_len(num_pages, last_page_len[b], page_size), causal, q,
+                        group_size, page_size,
+                        lambda p: page_values[first_page + p],
+                        lambda page, j, head, i: pages[page, 0, head, j, i],
+                        lambda page, j, head, i: pages[page, 1, head, j, i],
+                        sm_scale, output, lse,
                     )
-                    visible: T.let[T.int32] = T.if_then_else(
-                        causal > 0, T.min(kv_len_b - q_len_b + row + 1, kv_len_b), kv_len_b
-                    )
-                    scale: T.let[T.float32] = sm_scale * T.float32(_LOG2E)
-                    state[0] = T.float32(-5e4)
-                    state[1] = T.float32(0)
-                    for i in T.vectorized(d):
-                        acc[i] = T.float32(0)
-                    for p in T.serial((T.max(visible, 0) + page_size - 1) // page_size):
-                        page_no: T.let[T.int32] = page_values[first_page + p]
-                        state[2] = state[0]
-                        for j in T.serial(page_size):
-                            if p * page_size + j < visible:
-                                for lane in T.vectorized(_LANES):
-                                    partial[lane] = T.float32(0)
-                                for c in T.serial(chunks):
-                                    for lane in T.vectorized(_LANES):
-                                        partial[lane] = partial[lane] + T.Cast(
-                                            "float32", q[q_row, h, c * _LANES + lane]
-                                        ) * T.Cast("float32", pages[page_no, 0, h_kv_idx, j, c * _LANES + lane])
-                                scores[j] = (
-                                    (partial[0] + partial[1]) + (partial[2] + partial[3])
-                                    + ((partial[4] + partial[5]) + (partial[6] + partial[7]))
-                                ) * scale
-                                state[2] = T.max(state[2], scores[j])
-                        for i in T.vectorized(d):
-                            acc[i] = acc[i] * T.exp2(state[0] - state[2])
-                        state[1] = state[1] * T.exp2(state[0] - state[2])
-                        state[0] = state[2]
-                        for j in T.serial(page_size):
-                            if p * page_size + j < visible:
-                                scores[j] = T.exp2(scores[j] - state[0])
-                                state[1] = state[1] + scores[j]
-                                for i in T.vectorized(d):
-                                    acc[i] = acc[i] + scores[j] * T.Cast("float32", pages[page_no, 1, h_kv_idx, j, i])
-                    if state[1] > T.float32(0):
-                        for i in T.vectorized(d):
-                            output[q_row, h, i] = T.Cast(dtype, acc[i] / state[1])
-                        lse[q_row, h] = state[0] + T.log2(state[1])
-                    else:
-                        for i in T.vectorized(d):
-                            output[q_row, h, i] = T.Cast(dtype, T.float32(0))
-                        lse[q_row, h] = T.float32(-5e4)
 
     return batch_prefill_paged_kv_cpu
 

@@ -105,14 +105,18 @@ class RawTensor:
     data: np.ndarray
 
 
-def read_tensor_index(path: str | os.PathLike) -> dict[str, RawTensor]:
+def read_tensor_index(source: str | os.PathLike | GGUFMetadata) -> dict[str, RawTensor]:
     """The tensors of a GGUF file, memory-mapped.
+
+    :param source: the file's path, or its `GGUFMetadata` when the header
+        has already been read (then it is not parsed again).
 
     The table comes from `lockgate.models.gguf_metadata` (fast, unlike
     `gguf.GGUFReader`, which turns the 49k-entry vocabulary into numpy
     objects); the data is mapped, not read.
     """
-    meta = GGUFMetadata(path)
+    meta = source if isinstance(source, GGUFMetadata) else GGUFMetadata(source)
+    path = meta.path
     data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = {}
     for info in meta.tensors:
@@ -136,13 +140,13 @@ def read_tensor_index(path: str | os.PathLike) -> dict[str, RawTensor]:
 
 class GGUFTensors:
     """Named access to the tensors of one GGUF file: float32 values, or the
-    quantized codes and scales of a block-quantized matrix."""
+    quantized codes and scales of a block-quantized matrix.
 
-    def __init__(self, source) -> None:
-        if isinstance(source, gguf.GGUFReader):
-            self._tensors = {t.name: t for t in source.tensors}
-        else:
-            self._tensors = read_tensor_index(source)
+    :param source: the file's path or its `GGUFMetadata` (`read_tensor_index`).
+    """
+
+    def __init__(self, source: str | os.PathLike | GGUFMetadata) -> None:
+        self._tensors = read_tensor_index(source)
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -257,7 +261,7 @@ def _in_features(c: LlamaConfig, module: str) -> int:
     return c.hidden_size
 
 
-def linear_formats(source, config: LlamaConfig) -> dict[str, str]:
+def linear_formats(tensors: GGUFTensors, config: LlamaConfig) -> dict[str, str]:
     """How each linear module's weight is stored: "f32", "f16", "q8_0",
     "q4_0" or "q4_1", keyed by module name ("layers.3.mlp.down_proj",
     "lm_head").
@@ -266,10 +270,9 @@ def linear_formats(source, config: LlamaConfig) -> dict[str, str]:
     tensors share it; otherwise, and for GGML types the kernels do not
     handle, it falls back to f16.
     """
-    t = source if isinstance(source, GGUFTensors) else GGUFTensors(source)
     formats = {}
-    for module, parts in _linear_sources(config, "output.weight" in t).items():
-        found = {_FORMAT_OF_TYPE.get(t.tensor_type(name)) for name, _, _ in parts}
+    for module, parts in _linear_sources(config, "output.weight" in tensors).items():
+        found = {_FORMAT_OF_TYPE.get(tensors.tensor_type(name)) for name, _, _ in parts}
         fmt = found.pop() if len(found) == 1 and None not in found else "f16"
         if fmt in QUANTIZED_FORMATS and _in_features(config, module) % 32:
             fmt = "f16"
@@ -301,16 +304,18 @@ def _linear_arrays(
     return {f"{module}.weight": np.concatenate(matrices, axis=0).T.astype(dtype, copy=False)}
 
 
-def load_gguf_weights(
-    source,
+def iter_gguf_weights(
+    tensors: GGUFTensors,
     config: LlamaConfig,
     param_names: Iterable[tuple[str, tuple[int, ...]]],
     progress: Callable[[str], None] | None = None,
     formats: dict[str, str] | None = None,
-) -> list[np.ndarray]:
-    """The model's parameters as contiguous arrays, in the given order.
+) -> Iterator[np.ndarray]:
+    """The model's parameters as contiguous arrays, in the given order, one
+    at a time, so a caller that copies each to a device never holds the
+    whole model twice.
 
-    :param source: the GGUF file's path, or a `gguf.GGUFReader` of it.
+    :param tensors: the GGUF file's tensors.
     :param param_names: (name, shape) of every parameter of
         `model.LlamaForCausalLM`, in its `named_parameters` order; a 3-D shape
         asks for the paneled (out / panel, rows, panel) layout.
@@ -319,26 +324,13 @@ def load_gguf_weights(
     :raises ModelLoadError: a tensor is missing, mis-shaped or of a type that
         cannot be dequantized.
     """
-    return list(iter_gguf_weights(source, config, param_names, progress, formats))
-
-
-def iter_gguf_weights(
-    source,
-    config: LlamaConfig,
-    param_names: Iterable[tuple[str, tuple[int, ...]]],
-    progress: Callable[[str], None] | None = None,
-    formats: dict[str, str] | None = None,
-) -> Iterator[np.ndarray]:
-    """`load_gguf_weights` one array at a time, so a caller that copies each
-    to a device never holds the whole model twice."""
-    t = GGUFTensors(source)
     c = config
-    sources = _linear_sources(c, "output.weight" in t)
+    sources = _linear_sources(c, "output.weight" in tensors)
     formats = formats or {}
     by_name: dict[str, np.ndarray] = {}
     if not c.tie_word_embeddings:
-        by_name["embed_tokens"] = t.matrix("token_embd.weight", c.vocab_size, c.hidden_size)
-    by_name["norm.weight"] = t.vector("output_norm.weight", c.hidden_size)
+        by_name["embed_tokens"] = tensors.matrix("token_embd.weight", c.vocab_size, c.hidden_size)
+    by_name["norm.weight"] = tensors.vector("output_norm.weight", c.hidden_size)
     loaded: set[str] = set()
     for name, shape in param_names:
         module = name.rsplit(".", 1)[0]
@@ -347,7 +339,7 @@ def iter_gguf_weights(
                 layer = int(module.split(".")[1])
                 if layer % 10 == 0:
                     progress(f"loading weights: layer {layer + 1}/{c.num_layers}")
-            by_name.update(_linear_arrays(t, c, module, sources[module], formats.get(module, "f32")))
+            by_name.update(_linear_arrays(tensors, c, module, sources[module], formats.get(module, "f32")))
             loaded.add(module)
         elif name not in by_name and name.startswith("layers."):
             i = int(name.split(".")[1])
@@ -357,7 +349,7 @@ def iter_gguf_weights(
             }
             leaf = name.split(".", 2)[2]
             if leaf in norms:
-                by_name[name] = t.vector(norms[leaf], c.hidden_size)
+                by_name[name] = tensors.vector(norms[leaf], c.hidden_size)
         array = by_name.pop(name, None)
         if array is None:
             raise ModelLoadError(f"no GGUF tensor provides parameter {name!r}")
