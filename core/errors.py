@@ -2,7 +2,11 @@
 HTTP responses (through the `lockgate_handle_exception` hook).
 
 Each class carries the OpenAI error fields it answers with: HTTP status,
-`type` and default `code`. `param` names the offending request field.
+`type` and default `code`. `param` names the offending request field. Code
+that knows no request fields (the engine) names the `subject` of the error
+instead, in its own terms ("prompt", "max_tokens", "n", ...); the pipeline
+turns it into the field of the request at hand (`messages` or `prompt`,
+`max_completion_tokens` or `max_tokens`).
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ class LockgateError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        subject: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.subject = subject
         if code is not None:
             self.code = code
         self.headers = dict(headers or {})
@@ -52,6 +58,26 @@ class ContextLengthExceeded(InvalidRequestError):
     """Prompt plus requested completion does not fit the context (400)."""
 
     code = "context_length_exceeded"
+
+
+class TooManyChoices(InvalidRequestError):
+    """`n` is over what the engine allows (400)."""
+
+    def __init__(self, message: str, **kwargs) -> None:
+        kwargs.setdefault("subject", "n")
+        super().__init__(message, **kwargs)
+
+
+class ChoicesExceedCache(InvalidRequestError):
+    """All `n` choices at their longest would not fit the KV cache even alone (400)."""
+
+    def __init__(self, message: str, **kwargs) -> None:
+        kwargs.setdefault("subject", "n")
+        super().__init__(message, **kwargs)
+
+
+class TokenOutsideVocabulary(InvalidRequestError):
+    """A token id (prompt, logit_bias, stop_token_ids) the model does not have (400)."""
 
 
 class InvalidSchema(InvalidRequestError):

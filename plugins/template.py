@@ -7,18 +7,12 @@ from jinja2.exceptions import SecurityError
 
 from lockgate.errors import InvalidMessages, InvalidRequestError
 from lockgate.plugin_api.hookspecs import hookimpl
-
-
-def message_text(content) -> str:
-    """A message's content as text: a string, or the text parts of a list joined."""
-    if isinstance(content, str):
-        return content
-    return "".join(part["text"] for part in content)
+from lockgate.plugin_api.request import ChatRequest, GenerationRequest
 
 
 @hookimpl(trylast=True)
-def lockgate_render_prompt(request, model):
-    if not request.is_chat:
+def lockgate_render_prompt(request: GenerationRequest, model) -> str:
+    if not isinstance(request, ChatRequest):
         return request.prompt
     if not model.tokenizer.chat_template:
         raise InvalidRequestError(
@@ -26,15 +20,9 @@ def lockgate_render_prompt(request, model):
             "server with --chat-template FILE",
             param="messages",
         )
-    messages = []
-    for message in request.body["messages"]:
-        rendered = dict(message)
-        rendered["content"] = message_text(message.get("content") or "")
-        messages.append(rendered)
+    messages = [message.as_template_input() for message in request.messages]
     try:
-        return model.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
+        return model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except (jinja2.TemplateSyntaxError, SecurityError):
         # the template itself is broken or tried what the sandbox forbids:
         # the operator's fault whatever the conversation, so a 500

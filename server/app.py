@@ -28,13 +28,14 @@ from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS
 
 from lockgate.server.middlewares import (
     api_key_middleware,
+    count_requests_middleware,
     cors_preflight_middleware,
     error_middleware,
     request_id_middleware,
     set_cors_headers,
     set_request_id_header,
 )
-from lockgate.server.routes import routes
+from lockgate.server.routes import routes, v1_routes
 
 log = structlog.get_logger("lockgate.server")
 
@@ -54,7 +55,7 @@ def create_app(
     settings = settings or Settings.from_env()
     pm = pm or get_plugin_manager()
     app = web.Application(
-        middlewares=[request_id_middleware, error_middleware, cors_preflight_middleware, api_key_middleware],
+        middlewares=[request_id_middleware, error_middleware, cors_preflight_middleware],
         client_max_size=settings.max_body_size,
     )
     app[SETTINGS] = settings
@@ -64,6 +65,12 @@ def create_app(
     app.on_response_prepare.append(set_request_id_header)
     app.on_response_prepare.append(set_cors_headers)
     app.add_routes(routes)
+    # the OpenAI API: counted, and behind the API key when keys are set
+    api = web.Application(
+        middlewares=[count_requests_middleware, api_key_middleware], client_max_size=settings.max_body_size
+    )
+    api.add_routes(v1_routes)
+    app.add_subapp("/v1", api)
     app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))
     return app
 

@@ -1,9 +1,14 @@
-"""Middlewares: request id and summary log line, the error middleware, CORS,
-API keys.
+"""Middlewares and response hooks: request id and summary log line, the
+error middleware, CORS, API keys, the request counter.
 
 The error middleware is the only place that turns exceptions into HTTP
-responses. It asks `lockgate_handle_exception` (plugins first, the built-in
-mapping last) and answers in OpenAI's error shape.
+responses; what it answers comes from `lockgate.server.protocol.error_response`
+(the `lockgate_handle_exception` plugins, the built-in mapping last), in
+OpenAI's error shape.
+
+The root application carries the request id, error and CORS middlewares;
+the `/v1` sub-application adds the API key and the request counter, so
+those apply to the API by construction rather than by path.
 """
 
 from __future__ import annotations
@@ -17,31 +22,13 @@ import uuid
 import structlog
 from aiohttp import web
 
-from lockgate.errors import (
-    AuthenticationError,
-    InvalidRequestError,
-    LockgateError,
-    MethodNotAllowed,
-    OriginNotAllowed,
-    RequestTooLarge,
-    RouteNotFound,
-)
-from lockgate.errors import ErrorResponse
-from lockgate.server.keys import (
-    ERROR_TYPE,
-    METRICS,
-    PIPELINE_REQUEST,
-    PLUGIN_MANAGER,
-    REQUEST_ID,
-    SETTINGS,
-    USAGE,
-)
+from lockgate.errors import AuthenticationError, OriginNotAllowed
+from lockgate.server.keys import ERROR_ANSWER, METRICS, REQUEST_ID, SETTINGS, USAGE
+from lockgate.server.protocol import error_body, error_response, usage_body
 
 log = structlog.get_logger("lockgate.server")
 
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-#: routes answered without an API key (and /metrics with --metrics-public)
-OPEN_PATHS = frozenset({"/health"})
 #: how long a browser may cache a preflight answer
 CORS_MAX_AGE_SECONDS = 600
 
@@ -68,17 +55,16 @@ async def request_id_middleware(request: web.Request, handler):
         status = 499  # the client went away
         raise
     finally:
-        if request.path.startswith("/v1/"):
-            request.app[METRICS].count_request(status, request.get(ERROR_TYPE))
         usage = request.get(USAGE)
+        error_type = _error_type(request)
         log.info(
             "request",
             method=request.method,
             path=request.path,
             status=status,
             duration_ms=round((time.monotonic() - started) * 1000, 1),
-            **({} if usage is None else usage.as_dict()),
-            **({"error_type": request[ERROR_TYPE]} if ERROR_TYPE in request else {}),
+            **({} if usage is None else usage_body(usage)),
+            **({} if error_type is None else {"error_type": error_type}),
         )
         structlog.contextvars.unbind_contextvars("request_id")
 
@@ -101,8 +87,13 @@ async def set_cors_headers(request: web.Request, response: web.StreamResponse) -
         response.headers.add("Vary", "Origin")
 
 
+def _error_type(request: web.Request) -> str | None:
+    answer = request.get(ERROR_ANSWER)
+    return None if answer is None else answer[1].type
+
+
 def _origin_allowed(request: web.Request, origin: str) -> bool:
-    allowed = request.app[SETTINGS].allowed_origins
+    allowed = request.config_dict[SETTINGS].allowed_origins
     return "*" in allowed or origin in allowed
 
 
@@ -130,49 +121,6 @@ async def cors_preflight_middleware(request: web.Request, handler):
     return web.Response(status=204, headers=headers)
 
 
-def error_from_http_exception(request: web.Request, exc: web.HTTPException) -> Exception:
-    """aiohttp's own HTTP errors (routing, body size) as lockgate errors."""
-    if exc.status == 404:
-        return RouteNotFound(f"Unknown route: {request.method} {request.path}")
-    if exc.status == 405:
-        return MethodNotAllowed(
-            f"Method {request.method} is not allowed for {request.path}",
-            headers={"Allow": exc.headers.get("Allow", "")},
-        )
-    if exc.status == 413:
-        limit = request.app[SETTINGS].max_body_size
-        return RequestTooLarge(f"The request body is larger than the limit of {limit} bytes")
-    error = InvalidRequestError(exc.text or exc.reason) if exc.status < 500 else LockgateError(exc.reason)
-    error.status = exc.status
-    return error
-
-
-def error_response(request: web.Request, exc: BaseException) -> ErrorResponse:
-    """Ask the plugins how to answer `exc`; never raises."""
-    answer = _ask_plugins(request, exc)
-    request[ERROR_TYPE] = answer.type
-    return answer
-
-
-def _ask_plugins(request: web.Request, exc: BaseException) -> ErrorResponse:
-    pipeline_request = request.get(PIPELINE_REQUEST)
-    pm = request.app[PLUGIN_MANAGER]
-    try:
-        answer = pm.hook.lockgate_handle_exception(exception=exc, request=pipeline_request)
-        if isinstance(answer, ErrorResponse):
-            return answer
-        log.error("lockgate_handle_exception returned no ErrorResponse", returned=repr(answer))
-    except Exception:
-        log.exception("a lockgate_handle_exception implementation raised")
-    return ErrorResponse(
-        status=500,
-        message="The server had an error while processing your request "
-        f"(request id {request.get(REQUEST_ID)}).",
-        type="server_error",
-        code="internal_error",
-    )
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     """Every exception becomes an OpenAI-style JSON error."""
@@ -181,7 +129,7 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        error: BaseException = error_from_http_exception(request, exc)
+        error: BaseException = exc
     except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:
@@ -189,30 +137,60 @@ async def error_middleware(request: web.Request, handler):
     answer = error_response(request, error)
     if answer.status >= 500:
         log.error("request failed", status=answer.status, error=repr(error))
-    return web.json_response(answer.body(), status=answer.status, headers=answer.headers)
+    return web.json_response(error_body(answer), status=answer.status, headers=answer.headers)
+
+
+@web.middleware
+async def count_requests_middleware(request: web.Request, handler):
+    """Counts each API request by outcome once it is over (a stream that
+    failed after its headers counts as an error)."""
+    status = 0
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        raise
+    except web.HTTPException as exc:
+        status = exc.status if exc.status < 400 else error_response(request, exc).status
+        raise
+    except Exception as exc:
+        status = error_response(request, exc).status
+        raise
+    finally:
+        request.config_dict[METRICS].count_request(status, _error_type(request))
+
+
+def require_api_key(request: web.Request) -> None:
+    """When API keys are configured, the request must carry one as
+    `Authorization: Bearer <key>`; keys are compared in constant time and
+    never logged.
+
+    :raises AuthenticationError: (401) when it does not.
+    """
+    keys = request.config_dict[SETTINGS].api_keys
+    if not keys:
+        return
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    # aiohttp keeps undecodable header bytes as surrogates: encode them back
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    matched = False
+    for key in keys:
+        # no early exit: every key is compared whatever the outcome
+        matched |= hmac.compare_digest(given_bytes, key.encode())
+    if scheme.lower() != "bearer" or not matched:
+        raise AuthenticationError(
+            "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'."
+            if header
+            else "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+        )
 
 
 @web.middleware
 async def api_key_middleware(request: web.Request, handler):
-    """When API keys are configured, every route but `/health` (and
-    `/metrics` with `--metrics-public`) needs `Authorization: Bearer <key>`;
-    keys are compared in constant time and never logged."""
-    settings = request.app[SETTINGS]
-    keys = settings.api_keys
-    open_path = request.path in OPEN_PATHS or settings.metrics_public and request.path == "/metrics"
-    if keys and not open_path:
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        # aiohttp keeps undecodable header bytes as surrogates: encode them back
-        given_bytes = given.strip().encode("utf-8", "surrogateescape")
-        matched = False
-        for key in keys:
-            # no early exit: every key is compared whatever the outcome
-            matched |= hmac.compare_digest(given_bytes, key.encode())
-        if scheme.lower() != "bearer" or not matched:
-            raise AuthenticationError(
-                "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'."
-                if header
-                else "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
-            )
+    """Every route of the application it is installed on needs the API key
+    (when keys are configured)."""
+    require_api_key(request)
     return await handler(request)

@@ -1,12 +1,15 @@
-"""HTTP handlers. They parse the body, run the pipeline and write the answer;
+"""HTTP handlers. They read the body, run the pipeline and write the answer;
 every step of request logic lives in plugins, every error answer in the
-error middleware."""
+error middleware, every OpenAI shape in `lockgate.server.protocol`.
+
+`v1_routes` make up the `/v1` sub-application (the API, behind the API key);
+`routes` are the server's own (`/health`, `/metrics`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 from typing import Any
 
 import structlog
@@ -14,12 +17,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lockgate.engine import RequestHandle, Usage
-from lockgate.errors import InvalidRequestError, ModelNotFound, Unavailable, UnsupportedMediaType
+from lockgate.errors import ModelNotFound, Unavailable
 from lockgate.plugin_api.pipeline import run_pipeline
-from lockgate.plugin_api.request import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, Request
-from lockgate.server.keys import METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, USAGE
-from lockgate.server.middlewares import error_response
-from lockgate.server.responses import ResponseBuilder
+from lockgate.plugin_api.request import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, GenerationRequest, parse_request
+from lockgate.server.keys import METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS, USAGE
+from lockgate.server.middlewares import require_api_key
+from lockgate.server.protocol import ResponseBuilder, error_body, error_response, model_card, read_json_body
 
 log = structlog.get_logger("lockgate.server")
 
@@ -33,113 +36,11 @@ STREAM_BACKLOG_LIMIT = 512
 STREAM_WRITE_TIMEOUT_SECONDS = 60.0
 
 routes = web.RouteTableDef()
+v1_routes = web.RouteTableDef()
 
 
 class ClientTooSlow(Exception):
     """A streaming client fell `STREAM_BACKLOG_LIMIT` deltas behind."""
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def read_json_body(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object; 400 for anything else (413 comes from aiohttp).
-
-    The body must be declared JSON (415 otherwise): besides saying what the
-    server reads, this keeps a web page from posting to the API without the
-    CORS preflight that `--allowed-origins` governs, since a browser sends
-    form and text bodies cross-origin unasked.
-    """
-    content_type = request.content_type  # application/octet-stream when absent
-    if not (content_type == "application/json" or content_type.endswith("+json")):
-        raise UnsupportedMediaType(
-            f"the request body must be JSON, sent with 'Content-Type: application/json' "
-            f"(got {request.headers.get('Content-Type', 'no Content-Type')!r})"
-        )
-    charset = request.charset
-    if charset is not None and charset.lower().replace("-", "") != "utf8":
-        raise UnsupportedMediaType(f"JSON bodies must be UTF-8, not {charset!r}")
-    raw = await request.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
-    try:
-        body = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise InvalidRequestError("the request body is nested too deeply") from None
-    except ValueError as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    if _MAY_HOLD_SURROGATE.search(raw):
-        reject_unencodable_strings(body)
-    return body
-
-
-# JSON's \uD800-\uDFFF escapes are the only way a body that decoded as UTF-8
-# can carry a surrogate; a paired one decodes to a proper character.
-_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-
-
-def reject_unencodable_strings(body: dict[str, Any]) -> None:
-    """Refuse a body any of whose strings, keys included, holds an unpaired
-    surrogate (`"\\ud800"`): Python's JSON parser accepts it, but no later
-    stage can (the tokenizer, the grammar compiler and the detokenizer raise,
-    UTF-8 cannot encode it). Checked once here, on the whole body, so every
-    string the pipeline hands onward is encodable whatever field it came in.
-
-    :raises InvalidRequestError: (400) with `param` the field's path, as
-        `messages[2].content[0].text`.
-    """
-    # depth first, in document order, without recursion (bodies nest deep)
-    stack: list[tuple[str, Any]] = [("", body)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            _require_encodable(value, path)
-        elif isinstance(value, dict):
-            for key in value:
-                _require_encodable(key, path, key=True)
-            stack.extend((f"{path}.{key}" if path else key, item) for key, item in reversed(value.items()))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", value[i]) for i in reversed(range(len(value))))
-
-
-def _require_encodable(text: str, path: str, *, key: bool = False) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        where = f"a key of {path}" if key and path else "a key of the body" if key else path
-        surrogate = ord(text[exc.start])
-        raise InvalidRequestError(
-            f"{where} is not valid Unicode: it holds an unpaired surrogate "
-            f"(\\u{surrogate:04x}) at character {exc.start}",
-            param=path or None,
-        ) from None
-
-
-def split_prompts(request_id: str, endpoint: str, body: dict[str, Any]) -> list[Request]:
-    """One pipeline request per prompt (completions may carry a list of prompts)."""
-    if endpoint == CHAT_ENDPOINT:
-        return [Request(id=request_id, endpoint=endpoint, body=body)]
-    prompt = body.get("prompt")
-    n = body.get("n") if isinstance(body.get("n"), int) else 1
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        prompts = prompt
-    else:
-        prompts = [prompt]
-    return [
-        Request(
-            id=request_id if len(prompts) == 1 else f"{request_id}-{i}",
-            endpoint=endpoint,
-            body=body,
-            prompt=p,
-            choice_offset=i * max(n, 1),
-        )
-        for i, p in enumerate(prompts)
-    ]
 
 
 def _close_connection(request: web.Request) -> None:
@@ -153,7 +54,9 @@ def _client_gone(request: web.Request) -> bool:
 
 
 class _MergedDeltas:
-    """The deltas of all handles of one HTTP request, as they come.
+    """The deltas of all handles of one HTTP request, as they come, each
+    with the index of its choice in the response (handle `i`'s choices
+    follow those of handles `0 .. i-1`).
 
     Pumping starts at construction, before anything is written, so that a
     client that never reads is noticed even while the first write waits:
@@ -171,13 +74,15 @@ class _MergedDeltas:
         self._handles = handles
         self._backlog_limit = backlog_limit
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._tasks = [asyncio.ensure_future(self._pump(h)) for h in handles]
+        self._tasks = [
+            asyncio.ensure_future(self._pump(h, offset)) for h, offset in zip(handles, choice_offsets(handles))
+        ]
 
-    async def _pump(self, handle: RequestHandle) -> None:
+    async def _pump(self, handle: RequestHandle, offset: int) -> None:
         queue = self._queue
         try:
             async for delta in handle:
-                await queue.put(delta)
+                await queue.put((offset + delta.index, delta))
                 if self._backlog_limit is None:
                     continue
                 # let the writer take it: deltas pile up only while it waits
@@ -217,29 +122,32 @@ class _MergedDeltas:
             task.cancel()
 
 
-def _usage(handles: list[RequestHandle]) -> Usage:
-    usage = Usage(prompt_tokens=0)
+def choice_offsets(handles: list[RequestHandle]) -> list[int]:
+    """Index in the response of each handle's first choice."""
+    offsets, total = [], 0
     for handle in handles:
-        usage.prompt_tokens += handle.usage.prompt_tokens
-        usage.completion_tokens += handle.usage.completion_tokens
-    return usage
+        offsets.append(total)
+        total += handle.n
+    return offsets
+
+
+def _usage(handles: list[RequestHandle]) -> Usage:
+    return sum((handle.usage for handle in handles), Usage())
 
 
 async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     body = await read_json_body(request)
-    model = request.app[MODELS].resolve(body.get("model"))
-    request_id = request[REQUEST_ID]
-    pipeline_requests = split_prompts(request_id, endpoint, body)
-    request[PIPELINE_REQUEST] = pipeline_requests[0]
+    model = request.config_dict[MODELS].resolve(body.get("model"))
+    typed = parse_request(endpoint, body, request_id=request[REQUEST_ID])
+    request[PIPELINE_REQUEST] = typed
     # everything that can refuse the request runs before a byte is sent
-    handles = await run_pipeline(request.app[PLUGIN_MANAGER], pipeline_requests, model)
+    handles = await run_pipeline(request.config_dict[PLUGIN_MANAGER], typed, model)
     builder = ResponseBuilder(
-        chat=endpoint == CHAT_ENDPOINT, request_id=request_id, model=model.name,
-        token_bytes=model.token_bytes,
+        chat=typed.is_chat, request_id=typed.id, model=model.name, token_bytes=model.token_bytes
     )
     try:
-        if body.get("stream") is True:
-            return await _stream(request, body, handles, builder)
+        if typed.stream:
+            return await _stream(request, typed, handles, builder)
         return await _collect(request, handles, builder)
     except ConnectionResetError:
         log.info("client disconnected while waiting for its completion")
@@ -254,22 +162,22 @@ async def _collect(request, handles, builder: ResponseBuilder) -> web.Response:
     texts: dict[int, list[str]] = {}
     finish_reasons: dict[int, str | None] = {}
     logprobs: dict[int, list | None] = {}
-    for handle in handles:
-        for i in range(handle.work.params.n):
-            texts[handle.work.choice_offset + i] = []
-            logprobs[handle.work.choice_offset + i] = None if handle.work.params.logprobs is None else []
-    async for delta in _MergedDeltas(request, handles):
-        texts[delta.index].append(delta.text)
+    for handle, offset in zip(handles, choice_offsets(handles)):
+        for index in range(offset, offset + handle.n):
+            texts[index] = []
+            logprobs[index] = None if handle.work.params.logprobs is None else []
+    async for index, delta in _MergedDeltas(request, handles):
+        texts[index].append(delta.text)
         if delta.logprobs:
-            logprobs[delta.index].extend(delta.logprobs)
+            logprobs[index].extend(delta.logprobs)
         if delta.finish_reason is not None:
-            finish_reasons[delta.index] = delta.finish_reason
+            finish_reasons[index] = delta.finish_reason
     joined = {index: "".join(parts) for index, parts in texts.items()}
     return web.json_response(builder.completion(joined, finish_reasons, _usage(handles), logprobs))
 
 
-async def _stream(request, body, handles, builder: ResponseBuilder) -> web.StreamResponse:
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+async def _stream(request, typed: GenerationRequest, handles, builder: ResponseBuilder) -> web.StreamResponse:
+    include_usage = typed.include_usage
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -296,15 +204,14 @@ async def _stream(request, body, handles, builder: ResponseBuilder) -> web.Strea
 async def _write_stream(request, response, send, deltas, handles, builder, include_usage):
     try:
         if builder.chat:
-            for handle in handles:
-                for i in range(handle.work.params.n):
-                    await send(builder.role_chunk(handle.work.choice_offset + i, include_usage))
-        async for delta in deltas:
+            for index in range(sum(handle.n for handle in handles)):
+                await send(builder.role_chunk(index, include_usage))
+        async for index, delta in deltas:
             # A token whose text is held back (an incomplete UTF-8 sequence, a
             # possible start of a stop string) still has its logprobs: they go
             # out now, in a chunk with empty text.
             if delta.text or delta.finish_reason is not None or delta.logprobs:
-                await send(builder.delta_chunk(delta, include_usage))
+                await send(builder.delta_chunk(index, delta, include_usage))
         if include_usage:
             await send(builder.usage_chunk(_usage(handles)))
     except ConnectionResetError:
@@ -318,7 +225,7 @@ async def _write_stream(request, response, send, deltas, handles, builder, inclu
         # headers are gone: the error travels inside the stream
         answer = error_response(request, exc)
         try:
-            await send(answer.body())
+            await send(error_body(answer))
         except ConnectionResetError:
             return response
     try:
@@ -329,32 +236,33 @@ async def _write_stream(request, response, send, deltas, handles, builder, inclu
     return response
 
 
-@routes.post("/v1/chat/completions")
+@v1_routes.post("/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, CHAT_ENDPOINT)
 
 
-@routes.post("/v1/completions")
+@v1_routes.post("/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, COMPLETIONS_ENDPOINT)
 
 
-@routes.get("/v1/models")
+@v1_routes.get("/models")
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [m.card() for m in request.app[MODELS]]})
+    return web.json_response({"object": "list", "data": [model_card(m) for m in request.config_dict[MODELS]]})
 
 
-@routes.get("/v1/models/{model:.+}")
+@v1_routes.get("/models/{model:.+}")
 async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
-    for model in request.app[MODELS]:
+    for model in request.config_dict[MODELS]:
         if name == model.name or name in model.aliases:
-            return web.json_response(model.card())
+            return web.json_response(model_card(model))
     raise ModelNotFound(f"The model '{name}' does not exist", param="model")
 
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
+    """Open to all, API keys or not: load balancers and orchestrators probe it."""
     models = list(request.app[MODELS])
     if not models:
         raise Unavailable("the model is still loading")
@@ -369,5 +277,9 @@ async def health(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
+    """Behind the API key like the API (the figures tell load and traffic),
+    unless `--metrics-public` opens it to a scraper that sends no key."""
+    if not request.app[SETTINGS].metrics_public:
+        require_api_key(request)
     body = generate_latest(request.app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -164,3 +164,11 @@ def smollm2_tokenizer(smollm2_reader):
     from lockgate.models.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_reader)
+
+
+def sample_one(logits, params, rng, prompt_ids=(), output_ids=()) -> int:
+    """One token from one row of logits, through the engine's batch sampler."""
+    from lockgate.engine.sampling import SamplingRow, sample_batch
+
+    tokens, _ = sample_batch(logits[None, :], [SamplingRow(params, rng, prompt_ids, output_ids)])
+    return int(tokens[0])

@@ -11,12 +11,12 @@ import time
 import numpy as np
 import pytest
 
-from conftest import wait_idle
+from conftest import sample_one, wait_idle
 from lockgate import hookimpl
 from lockgate.errors import ContextLengthExceeded, InvalidRequestError, Unavailable
 from lockgate.engine.params import SamplingParams
 from lockgate.plugin_api.manager import get_plugin_manager
-from lockgate.engine.sampling import SamplingRow, process_logits, sample_batch, sample_token
+from lockgate.engine.sampling import SamplingRow, process_logits, sample_batch
 from lockgate.engine import Work
 
 PROMPTS = [[5, 40, 41, 60], [100, 7, 8], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [200]]
@@ -230,7 +230,7 @@ async def test_admission_errors(engine, model):
         engine.add(Work("e", [model.vocab_size], SamplingParams()))
     with pytest.raises(InvalidRequestError) as caught:
         engine.add(Work("e", [5], SamplingParams(n=64)))
-    assert caught.value.param == "n"
+    assert caught.value.subject == "n"  # the request field is the pipeline's to name
     assert engine.stats()["requests_waiting"] == 0
 
 
@@ -249,14 +249,14 @@ def test_sampling_filters_on_a_known_distribution():
 
     def seen(**params):
         p = SamplingParams(temperature=1.0, **params)
-        return {sample_token(logits, p, rng) for _ in range(400)}
+        return {sample_one(logits, p, rng) for _ in range(400)}
 
     assert seen() == {0, 1, 2, 3}
     assert seen(top_k=2) == {0, 1}
     assert seen(top_p=0.7) == {0, 1}
     assert seen(min_p=0.5) == {0, 1}
     assert seen(top_p=0.5) == {0}
-    assert sample_token(logits, SamplingParams(temperature=0), rng) == 0
+    assert sample_one(logits, SamplingParams(temperature=0), rng) == 0
 
 
 @pytest.mark.parametrize("temperature", [2.2250738585072014e-308, 1e-40, 9e-6])

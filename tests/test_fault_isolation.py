@@ -11,6 +11,7 @@ import threading
 import pytest
 
 import lockgate.engine.loop
+import lockgate.engine.state
 from conftest import wait_for, wait_idle
 from lockgate import hookimpl
 from lockgate.engine import Engine
@@ -205,7 +206,7 @@ async def test_failure_inside_a_step_for_one_request(load_tiny, make_client, mon
     """A per-request failure inside a step (here: its detokenizer) fails that
     request alone; the other request in the same batch completes."""
 
-    class FragileDetokenizer(lockgate.engine.loop.IncrementalDetokenizer):
+    class FragileDetokenizer(lockgate.engine.state.IncrementalDetokenizer):
         def __init__(self, tokenizer, prompt_token_ids, *, stop=(), **kwargs):
             super().__init__(tokenizer, prompt_token_ids, stop=stop, **kwargs)
             self.fragile = "fragile" in stop
@@ -215,7 +216,7 @@ async def test_failure_inside_a_step_for_one_request(load_tiny, make_client, mon
                 raise ValueError("injected detokenizer failure")
             return super().add(token_id)
 
-    monkeypatch.setattr(lockgate.engine.loop, "IncrementalDetokenizer", FragileDetokenizer)
+    monkeypatch.setattr(lockgate.engine.state, "IncrementalDetokenizer", FragileDetokenizer)
     model = load_tiny()
     client = await make_client(model)
     body = {**GOOD, "max_tokens": 30, "ignore_eos": True}

@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 
 from lockgate.engine.params import SamplingParams
+from lockgate.plugin_api.request import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, parse_request
 from tiny_model import tiny_vocab
 
 VOCAB = tiny_vocab()
@@ -36,7 +37,7 @@ B_THEN_A = {"prompt": [B], "logit_bias": {str(A): 53.5, str(B): 50}}
 
 #: The request-body key a field is read from, where it is not the field's name.
 #: `grammar` is compiled from `response_format` by the pipeline (not by
-#: `SamplingParams.from_body`), so that is the key that must act.
+#: `GenerationRequest.sampling_params`), so that is the key that must act.
 BODY_KEYS = {"grammar": "response_format"}
 
 #: For every field of `SamplingParams`: (what both requests send, what only
@@ -72,14 +73,20 @@ def test_every_sampling_parameter_has_a_case():
         assert first != second, field
 
 
-def test_from_body_reads_every_parameter():
+def sampling_params(body, endpoint=COMPLETIONS_ENDPOINT):
+    """What the engine is given for a body, as the pipeline converts it."""
+    required = {"prompt": "x"} if endpoint == COMPLETIONS_ENDPOINT else {"messages": [{"role": "user", "content": "x"}]}
+    return parse_request(endpoint, {**required, **body}, request_id="t").sampling_params()
+
+
+def test_the_typed_request_converts_every_parameter():
     body = {
         "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_p": 0.1,
         "presence_penalty": 0.3, "frequency_penalty": 0.4, "repetition_penalty": 1.2,
         "logit_bias": {"5": -3}, "seed": 9, "stop": "x", "stop_token_ids": [3],
         "ignore_eos": True, "n": 2, "skip_special_tokens": False, "logprobs": 3,
     }
-    params = SamplingParams.from_body(body)
+    params = sampling_params(body)
     assert params == SamplingParams(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, presence_penalty=0.3,
         frequency_penalty=0.4, repetition_penalty=1.2, logit_bias={5: -3.0}, seed=9, stop=("x",),
@@ -89,10 +96,10 @@ def test_from_body_reads_every_parameter():
     for field in dataclasses.fields(SamplingParams):
         if field.name not in BODY_KEYS:  # every parameter of the body above was read
             assert getattr(params, field.name) != getattr(defaults, field.name), field.name
-    assert SamplingParams.from_body({"max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
-    assert SamplingParams.from_body({"logprobs": True, "top_logprobs": 4}).logprobs == 4
-    assert SamplingParams.from_body({"logprobs": False}).logprobs is None
-    assert SamplingParams.from_body({"top_k": -1}).top_k == 0
+    assert sampling_params({"max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
+    assert sampling_params({"logprobs": True, "top_logprobs": 4}, CHAT_ENDPOINT).logprobs == 4
+    assert sampling_params({"logprobs": False}, CHAT_ENDPOINT).logprobs is None
+    assert sampling_params({"top_k": -1}).top_k == 0
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 The central property: whatever a model's logits say, sampling through a
 matcher's mask until it finishes yields text that parses as JSON and
 validates against the schema. It is checked by random walks over the real
-SmolLM2 tokenizer, through the engine's own `sample_token`, with logits wider
+SmolLM2 tokenizer, through the engine's own batch sampler, with logits wider
 than the vocabulary as a padded model has.
 """
 
@@ -19,8 +19,11 @@ import pytest
 from lockgate.engine import structured
 from lockgate.errors import InvalidSchema
 from lockgate.engine.params import SamplingParams
-from lockgate.engine.sampling import sample_token
-from lockgate.engine.structured import Grammar, compile_response_format, fill_masks
+from conftest import sample_one
+from lockgate.engine.structured import Grammar, compile_json_schema
+from lockgate.errors import InvalidRequestError
+from lockgate.plugin_api.pipeline import compile_grammar
+from lockgate.plugin_api.request import CHAT_ENDPOINT, parse_request
 from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
 
 PERSON = {
@@ -80,7 +83,11 @@ def eos_ids(smollm2_reader, tokenizer):
 @pytest.fixture(scope="module")
 def compile_format(tokenizer, eos_ids):
     def compile_(response_format):
-        return compile_response_format(response_format, tokenizer, eos_token_ids=eos_ids)
+        """A chat request's `response_format`, read and compiled as the pipeline does."""
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        if response_format is not None:
+            body["response_format"] = response_format
+        return compile_grammar(parse_request(CHAT_ENDPOINT, body, request_id="t"), tokenizer, eos_ids)
 
     return compile_
 
@@ -188,9 +195,6 @@ def test_non_strict_schema_ignores_unsupported_keywords(compile_format):
             {"type": "json_schema", "json_schema": {"name": 7, "schema": FAMILY}},
             "name must be a string",
         ),
-        ({"type": "xml"}, "must be one of 'text', 'json_object', 'json_schema'"),
-        ({}, "response_format.type is required"),
-        ("json_object", "response_format must be an object, got a string"),
         (json_schema_format({"type": "string", "pattern": "[a-"}), "regex parse error"),
         (json_schema_format({"type": "string", "minLength": "x"}), "minLength"),
         (json_schema_format({"enum": []}), "Unsatisfiable"),
@@ -213,6 +217,22 @@ def test_invalid_response_format_is_a_400_on_response_format(
     assert message in error.message
     # the client gets the reason, not llguidance's dump of parser state
     assert "<state>" not in error.message and len(error.message) < 300
+
+
+@pytest.mark.parametrize(
+    "response_format, message",
+    [
+        ({"type": "xml"}, 'must be one of text, json_object, json_schema, got "xml"'),
+        ({}, "response_format.type must be one of"),
+        ("json_object", "response_format must be an object, not string"),
+    ],
+)
+def test_unknown_response_format_is_a_400_on_response_format(compile_format, response_format, message):
+    with pytest.raises(InvalidRequestError) as caught:
+        compile_format(response_format)
+    error = caught.value
+    assert (error.status, error.param, error.code) == (400, "response_format", "invalid_value")
+    assert message in error.message
 
 
 def test_long_error_is_cut_short(compile_format):
@@ -351,7 +371,7 @@ def test_the_compiler_runs_where_a_deep_schema_cannot_overflow_the_stack(tmp_pat
 def test_mask_padding_eos_and_rejected_tokens(tiny_tokenizer):
     tokenizer, eos_ids = tiny_tokenizer
     width = len(tokenizer) + 213
-    grammar = compile_response_format({"type": "json_object"}, tokenizer, eos_token_ids=eos_ids)
+    grammar = compile_json_schema({"type": "object"}, tokenizer, eos_token_ids=eos_ids)
     assert grammar.vocab_size == len(tokenizer)
     matcher = grammar.matcher()
 
@@ -390,25 +410,6 @@ def test_eos_is_allowed_exactly_when_the_output_may_end(compile_format, tokenize
     assert mask[eos_ids].all() and mask[tokenizer.convert_tokens_to_ids("0")]
     matcher.accept(eos_ids[0])
     assert matcher.is_finished
-
-
-def test_fill_mask_writes_into_a_batch_row(compile_format, tokenizer):
-    grammar = compile_format(json_schema_format(FAMILY))
-    width = len(tokenizer) + PADDING
-    matchers = [grammar.matcher() for _ in range(3)]
-    feed(matchers[1], tokenizer, '{"surname": "')
-    feed(matchers[2], tokenizer, '{"surname": "Doe", "members": [{"name": "Al", "age": 1')
-    expected = np.stack([m.allowed(width) for m in matchers])
-
-    rows = np.ones((3, width), dtype=bool)
-    for matcher, row in zip(matchers, rows):
-        matcher.fill_mask(row)
-    assert np.array_equal(rows, expected)
-
-    batch = np.ones((3, width), dtype=bool)
-    fill_masks(matchers, batch)
-    assert np.array_equal(batch, expected)
-    assert len({row.tobytes() for row in expected}) == 3
 
 
 def test_llguidance_tokenizer_is_built_once_per_tokenizer(tokenizer, eos_ids):
@@ -462,7 +463,7 @@ def test_random_walk_produces_valid_json(
         # a pull toward closing that grows, so every walk ends well within the cap
         logits = rng.standard_normal(width).astype(np.float32) * 2 + closing_tokens * (step / 20)
         logits[~mask] = -np.inf
-        token = sample_token(logits, params, rng, (), output)
+        token = sample_one(logits, params, rng, (), output)
         assert mask[token]
         matcher.accept(token)
         output.append(token)

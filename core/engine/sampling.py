@@ -158,15 +158,3 @@ def _token_logprob(values: np.ndarray, token: int, top_n: int) -> TokenLogprob:
         best = best[np.argsort(-values[best], kind="stable")]
         top = [(int(t), float(values[t])) for t in best]
     return TokenLogprob(token_id=token, logprob=float(values[token]), top=top)
-
-
-def sample_token(
-    logits: np.ndarray,
-    params: SamplingParams,
-    rng: np.random.Generator,
-    prompt_ids: Sequence[int] = (),
-    output_ids: Sequence[int] = (),
-) -> int:
-    """Sample one token for one sequence (a batch of one)."""
-    tokens, _ = sample_batch(logits[None, :], [SamplingRow(params, rng, prompt_ids, output_ids)])
-    return int(tokens[0])

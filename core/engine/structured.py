@@ -1,13 +1,12 @@
-"""Structured output: an OpenAI `response_format` compiled into an llguidance
-grammar, and the per-sequence matchers that say which tokens may come next.
+"""Structured output: a JSON schema compiled into an llguidance grammar, and
+the per-sequence matchers that say which tokens may come next.
 
-Engine-side logic only. `compile_response_format` runs while a request is
-validated, before any response byte is sent, so every problem with the
-schema becomes a 400 (`InvalidSchema`) rather than a failure mid-stream. The
-engine then asks `Grammar.matcher()` for one `Matcher` per generated
-sequence and, at every step, masks that sequence's logits row with
-`Matcher.allowed` (or `fill_masks` for several sequences at once), samples,
-and feeds the token back through `Matcher.accept`.
+`compile_json_schema` runs in the request pipeline, before any response byte
+is sent, so every problem with the schema becomes a 400 (`InvalidSchema`)
+rather than a failure mid-stream. The engine then asks `Grammar.matcher()`
+for one `Matcher` per generated sequence and, at every step, masks that
+sequence's logits row with `Matcher.allowed`, samples, and feeds the token
+back through `Matcher.accept`.
 
 JSON is generated on one line with a space after `,` and `:`
 (`{"a": 1, "b": [1, 2]}`, Python's `json.dumps` layout). JSON allows any
@@ -18,7 +17,6 @@ llguidance's top-level `"x-guidance"` key.
 
 from __future__ import annotations
 
-import json
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -41,12 +39,12 @@ __all__ = [
     "MAX_SCHEMA_NODES",
     "MatcherError",
     "check_schema_limits",
-    "compile_response_format",
-    "fill_masks",
+    "compile_json_schema",
     "prepare_tokenizer",
 ]
 
-_PARAM = "response_format"
+#: what schema errors are about; the request says which field held the schema
+_SUBJECT = "schema"
 
 # Applied before the schema's own "x-guidance" options, so a schema may
 # override them.
@@ -101,53 +99,40 @@ class MatcherError(RuntimeError):
 def prepare_tokenizer(tokenizer, *, eos_token_ids: Sequence[int] | None = None) -> None:
     """Build and cache llguidance's view of `tokenizer` now.
 
-    Optional: `compile_response_format` builds it on first use, but that
+    Optional: `compile_json_schema` builds it on first use, but that
     costs the first structured request most of a second, which a model
     loader can pay at start-up instead. Takes the same arguments as
-    `compile_response_format`.
+    `compile_json_schema`.
     """
     _llg_tokenizer(tokenizer, eos_token_ids)
 
 
-def compile_response_format(
-    response_format: Mapping[str, Any] | None,
+def compile_json_schema(
+    schema: Mapping[str, Any],
     tokenizer,
     *,
+    strict: bool = False,
     eos_token_ids: Sequence[int] | None = None,
-) -> Grammar | None:
-    """Compile an OpenAI `response_format` into a `Grammar`, or None if unconstrained.
+) -> Grammar:
+    """Compile a JSON schema into a `Grammar` that generation must follow.
 
-    Accepted forms:
+    `$defs`/`$ref` and recursive schemas work. With `strict` a keyword or
+    string format llguidance does not implement is an error; otherwise
+    (OpenAI's default) it is ignored and reported in `Grammar.warnings`.
 
-    * absent (None) or `{"type": "text"}`: no constraint, returns None;
-    * `{"type": "json_object"}`: any JSON object;
-    * `{"type": "json_object", "schema": {...}}`: the older form some servers
-      accept, constrained by that schema;
-    * `{"type": "json_schema", "json_schema": {"name": str, "schema": {...},
-      "strict": bool, "description": str}}`, where only `schema` is required.
-
-    `$defs`/`$ref` and recursive schemas work. With `"strict": true` a
-    keyword or string format llguidance does not implement is an error;
-    otherwise (OpenAI's default) it is ignored and reported in
-    `Grammar.warnings`.
-
-    :param response_format: the request's `response_format` value.
+    :param schema: the JSON schema (a decoded JSON object).
     :param tokenizer: the model's transformers fast tokenizer; its
         llguidance counterpart is cached per tokenizer object.
     :param eos_token_ids: the ids that end generation (the engine's list);
         the grammar allows them exactly when the output may end. Defaults to
         the tokenizer's EOS.
     :returns: the compiled grammar, checked by building a matcher from it.
-    :raises InvalidSchema: (400, param "response_format") for a malformed
-        `response_format`, a schema that is not a JSON object, an invalid or
+    :raises InvalidSchema: (400, subject "schema") for an invalid or
         unsatisfiable schema, a dangling `$ref`, or anything else llguidance
         refuses; the message says what is wrong. A schema past one of the
         size and depth limits (`check_schema_limits`) is refused before
         llguidance sees it, with code `schema_too_complex`.
     """
-    schema, strict = _read_response_format(response_format)
-    if schema is None:
-        return None
     check_schema_limits(schema)
     llg_tokenizer = _llg_tokenizer(tokenizer, eos_token_ids)
     # native code that recurses over the client's schema: never on a thread
@@ -165,18 +150,18 @@ def check_schema_limits(schema: Mapping[str, Any]) -> None:
     nodes, nesting = _count_and_nesting(schema)
     if nodes > MAX_SCHEMA_NODES:
         raise _too_complex(
-            f"the response_format schema has {nodes} JSON objects and arrays; "
+            f"the schema has {nodes} JSON objects and arrays; "
             f"the limit is {MAX_SCHEMA_NODES}"
         )
     if nesting > MAX_SCHEMA_NESTING:
         raise _too_complex(
-            f"the response_format schema nests {nesting} JSON objects and arrays deep; "
+            f"the schema nests {nesting} JSON objects and arrays deep; "
             f"the limit is {MAX_SCHEMA_NESTING}"
         )
     depth = _expanded_depth(schema, MAX_SCHEMA_EXPANDED_DEPTH)
     if depth > MAX_SCHEMA_EXPANDED_DEPTH:
         raise _too_complex(
-            "the response_format schema nests more than "
+            "the schema nests more than "
             f"{MAX_SCHEMA_EXPANDED_DEPTH} levels deep when its $ref chains are followed "
             f"(each $ref nests its target); the limit is {MAX_SCHEMA_EXPANDED_DEPTH}"
         )
@@ -248,7 +233,7 @@ class Grammar:
 class Matcher:
     """Where one generated sequence stands in its grammar.
 
-    Per decode step: `allowed(width)` (or `fill_masks` for a batch), mask
+    Per decode step: `allowed(width)`, mask
     the logits, sample, `accept(token)`; stop with finish_reason "stop"
     once `is_finished`. Not thread-safe: one sequence, one thread.
     """
@@ -273,15 +258,11 @@ class Matcher:
 
         :raises MatcherError: the matcher hit an llguidance limit.
         """
-        mask = np.empty(width, dtype=bool)
-        self.fill_mask(mask)
-        return mask
-
-    def fill_mask(self, mask_row: np.ndarray) -> None:
-        """Like `allowed`, written into an existing bool row (of a batch array)."""
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._words)
         self._check()
-        _unpack_into(self._words[0], self._vocab_size, mask_row)
+        mask = np.empty(width, dtype=bool)
+        _unpack_into(self._words[0], self._vocab_size, mask)
+        return mask
 
     def accept(self, token_id: int) -> None:
         """Advance past the sampled token.
@@ -301,7 +282,7 @@ class Matcher:
                 self._matcher.try_consume_tokens([token_id]) == 1
             )
         if not allowed:
-            raise ValueError(f"token {token_id} is not allowed by the response_format here")
+            raise ValueError(f"token {token_id} is not allowed by the grammar here")
 
     @property
     def is_accepting(self) -> bool:
@@ -323,30 +304,6 @@ class Matcher:
             raise MatcherError(_first_line(self._matcher.get_error()))
 
 
-def fill_masks(matchers: Sequence[Matcher], masks: np.ndarray) -> None:
-    """Compute the masks of several sequences at once, on llguidance's threads.
-
-    :param matchers: one matcher per row of `masks`.
-    :param masks: a (len(matchers), width) bool array; row i receives
-        `matchers[i].allowed(width)`.
-    :raises MatcherError: one of the matchers hit an llguidance limit.
-    """
-    if masks.ndim != 2 or masks.shape[0] != len(matchers):
-        raise ValueError(f"masks has shape {masks.shape}, expected ({len(matchers)}, width)")
-    if not matchers:
-        return
-    vocab_size = matchers[0]._vocab_size
-    if any(m._vocab_size != vocab_size for m in matchers):
-        raise ValueError("fill_masks needs matchers of one tokenizer")
-    words = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab_size)
-    llguidance.numpy.fill_next_token_bitmask_par(
-        _shared_executor(), [(m._matcher, i) for i, m in enumerate(matchers)], words
-    )
-    for matcher, row_words, row in zip(matchers, words, masks):
-        matcher._check()
-        _unpack_into(row_words, vocab_size, row)
-
-
 def _unpack_into(words: np.ndarray, vocab_size: int, mask_row: np.ndarray) -> None:
     # Bit j of word k is token 32*k + j. Read as bytes on a little-endian
     # host, that is numpy's little bit order.
@@ -356,63 +313,8 @@ def _unpack_into(words: np.ndarray, vocab_size: int, mask_row: np.ndarray) -> No
     mask_row[known:] = False
 
 
-def _read_response_format(response_format) -> tuple[Mapping[str, Any] | None, bool]:
-    """The JSON schema a `response_format` asks for (None: unconstrained) and
-    whether it is strict."""
-    if response_format is None:
-        return None, False
-    if not isinstance(response_format, Mapping):
-        raise InvalidSchema(
-            f"response_format must be an object, got {_json_type(response_format)}", param=_PARAM
-        )
-    kind = response_format.get("type")
-    if kind is None:
-        raise InvalidSchema("response_format.type is required", param=_PARAM)
-    if kind == "text":
-        return None, False
-    if kind == "json_object":
-        schema = response_format.get("schema")
-        if schema is None:
-            return {"type": "object"}, False
-        _require_object(schema, "response_format.schema")
-        return schema, False
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if spec is None:
-            raise InvalidSchema(
-                "response_format.json_schema is required when response_format.type is "
-                "'json_schema'",
-                param=_PARAM,
-            )
-        _require_object(spec, "response_format.json_schema")
-        for field in ("name", "description"):
-            value = spec.get(field)
-            if value is not None and not isinstance(value, str):
-                raise InvalidSchema(
-                    f"response_format.json_schema.{field} must be a string, "
-                    f"got {_json_type(value)}",
-                    param=_PARAM,
-                )
-        strict = spec.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise InvalidSchema(
-                f"response_format.json_schema.strict must be a boolean, got {_json_type(strict)}",
-                param=_PARAM,
-            )
-        schema = spec.get("schema")
-        if schema is None:
-            raise InvalidSchema("response_format.json_schema.schema is required", param=_PARAM)
-        _require_object(schema, "response_format.json_schema.schema")
-        return schema, bool(strict)
-    raise InvalidSchema(
-        "response_format.type must be one of 'text', 'json_object', 'json_schema', "
-        f"got {json.dumps(kind) if isinstance(kind, str) else _json_type(kind)}",
-        param=_PARAM,
-    )
-
-
 def _too_complex(message: str) -> InvalidSchema:
-    return InvalidSchema(message, param=_PARAM, code="schema_too_complex")
+    return InvalidSchema(message, subject=_SUBJECT, code="schema_too_complex")
 
 
 def _children(node) -> list:
@@ -505,35 +407,13 @@ def _invalid(reason: str) -> InvalidSchema:
         for line in reason.splitlines()
     ]
     return InvalidSchema(
-        "invalid JSON schema in response_format: " + "\n".join(lines[:_MAX_LINES]), param=_PARAM
+        "invalid JSON schema: " + "\n".join(lines[:_MAX_LINES]), subject=_SUBJECT
     )
 
 
 def _first_line(text: str) -> str:
     # non-verbose llguidance errors still end in a "<non-verbose/>" line
     return text.strip().splitlines()[0] if text.strip() else text
-
-
-def _require_object(value, where: str) -> None:
-    if not isinstance(value, Mapping):
-        raise InvalidSchema(f"{where} must be a JSON object, got {_json_type(value)}", param=_PARAM)
-
-
-def _json_type(value) -> str:
-    """The JSON name of a decoded value's type, for error messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    if isinstance(value, Mapping):
-        return "an object"
-    return type(value).__name__
 
 
 def _llg_tokenizer(tokenizer, eos_token_ids: Sequence[int] | None) -> llguidance.LLTokenizer:

@@ -14,7 +14,3 @@ class Work:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    #: index of this work's first choice in the response
-    choice_offset: int = 0
-    #: the request field errors about the prompt name ("messages" or "prompt")
-    prompt_param: str = "prompt"

@@ -1,41 +1,42 @@
 """The request pipeline: validate -> template -> tokenize -> enqueue.
 
-Hooks are synchronous; `run_pipeline` calls them in a worker thread so a slow
-template or tokenizer never blocks the event loop. Everything that can reject
-a request, `engine.add` included, runs here, before any response byte is
-sent.
+Its input is a request `parse_request` has already typed and checked. Hooks
+are synchronous; `run_pipeline` calls them in a worker thread so a slow
+template or tokenizer never blocks the event loop. Everything that can
+reject a request, `engine.add` included, runs here, before any response byte
+is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import pluggy
 import structlog
 
-from lockgate.engine import RequestHandle
-from lockgate.errors import InternalError
+from lockgate.engine import RequestHandle, Work
+from lockgate.engine.structured import Grammar, compile_json_schema
+from lockgate.errors import InternalError, LockgateError
 from lockgate.models import Model
-from lockgate.engine.params import SamplingParams
-from lockgate.engine.structured import compile_response_format
-from lockgate.engine import Work
-from lockgate.plugin_api.request import Request
+from lockgate.plugin_api.request import CompletionRequest, GenerationRequest
 
-log = structlog.get_logger("lockgate.plugin_api.pipeline")
+log = structlog.get_logger("lockgate.pipeline")
 
 
 async def run_pipeline(
-    pm: pluggy.PluginManager, requests: Sequence[Request], model: Model
+    pm: pluggy.PluginManager, request: GenerationRequest, model: Model
 ) -> list[RequestHandle]:
-    """Prepare and enqueue `requests` (the prompts of one HTTP request).
+    """Prepare and enqueue `request`.
 
-    Returns one handle per request. If any step raises, handles already
-    enqueued are aborted and the exception propagates.
+    Returns one handle per prompt (a completions request may carry several;
+    handle `i` generates the choices `i * n ... i * n + n - 1`). If any step
+    raises, handles already enqueued are aborted and the exception
+    propagates.
     """
     loop = asyncio.get_running_loop()
-    future = loop.run_in_executor(None, prepare_requests, pm, list(requests), model)
+    future = loop.run_in_executor(None, prepare_request, pm, request, model)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -50,48 +51,65 @@ def _abort_enqueued(future: asyncio.Future) -> None:
             handle.abort()
 
 
-def prepare_requests(
-    pm: pluggy.PluginManager, requests: list[Request], model: Model
+@contextlib.contextmanager
+def errors_named_for(request: GenerationRequest) -> Iterator[None]:
+    """Errors raised by code that knows no request fields (the engine, the
+    grammar compiler) name a `subject`; give them this request's field as
+    their `param`."""
+    try:
+        yield
+    except LockgateError as exc:
+        if exc.param is None and exc.subject is not None:
+            exc.param = request.param_for(exc.subject)
+        raise
+
+
+def prepare_request(
+    pm: pluggy.PluginManager, request: GenerationRequest, model: Model
 ) -> list[RequestHandle]:
     """The pipeline itself, synchronous (runs in a worker thread).
 
-    `lockgate_validate_request` runs once per HTTP request (all prompts share
-    the body); the other steps run once per prompt.
+    `lockgate_validate_request` runs once per HTTP request; the other steps
+    run once per prompt.
     """
-    body = requests[0].body
-    pm.hook.lockgate_validate_request(request=requests[0], model=model)
-    params = SamplingParams.from_body(body)
-    # compiled (and checked) here so a bad schema is a 400 before any byte is sent
-    grammar = compile_response_format(
-        body.get("response_format"), model.tokenizer, eos_token_ids=model.eos_token_ids
-    )
-    if grammar is not None:
-        if grammar.warnings:
-            log.warning("response_format schema features ignored", warnings=list(grammar.warnings))
-        params = dataclasses.replace(params, grammar=grammar)
-    handles: list[RequestHandle] = []
-    try:
-        for request in requests:
-            work = Work(
-                request_id=request.id,
-                prompt_token_ids=_prompt_token_ids(pm, request, model),
-                params=params,
-                choice_offset=request.choice_offset,
-                prompt_param="messages" if request.is_chat else "prompt",
-            )
-            handle = pm.hook.lockgate_enqueue(work=work, engine=model.engine)
-            if handle is None:
-                raise InternalError("no plugin enqueued the request")
-            handles.append(handle)
-    except BaseException:
-        for handle in handles:
-            handle.abort()
-        raise
-    return handles
+    with errors_named_for(request):
+        pm.hook.lockgate_validate_request(request=request, model=model)
+        grammar = compile_grammar(request, model.tokenizer, model.eos_token_ids)
+        params = request.sampling_params(grammar=grammar)
+        prompts = request.split() if isinstance(request, CompletionRequest) else [request]
+        handles: list[RequestHandle] = []
+        try:
+            for one in prompts:
+                work = Work(request_id=one.id, prompt_token_ids=_prompt_token_ids(pm, one, model), params=params)
+                handle = pm.hook.lockgate_enqueue(work=work, engine=model.engine)
+                if handle is None:
+                    raise InternalError("no plugin enqueued the request")
+                handles.append(handle)
+        except BaseException:
+            for handle in handles:
+                handle.abort()
+            raise
+        return handles
 
 
-def _prompt_token_ids(pm: pluggy.PluginManager, request: Request, model: Model) -> list[int]:
-    if isinstance(request.prompt, list):
+def compile_grammar(request: GenerationRequest, tokenizer, eos_token_ids: Sequence[int]) -> Grammar | None:
+    """The request's `response_format` as a grammar for the model with this
+    tokenizer, compiled (and checked) now so that a bad schema is a 400
+    before any byte is sent."""
+    output = request.response_format
+    if output is None:
+        return None
+    with errors_named_for(request):
+        grammar = compile_json_schema(
+            output.schema, tokenizer, strict=output.strict, eos_token_ids=eos_token_ids
+        )
+    if grammar.warnings:
+        log.warning("response_format schema features ignored", warnings=list(grammar.warnings))
+    return grammar
+
+
+def _prompt_token_ids(pm: pluggy.PluginManager, request: GenerationRequest, model: Model) -> list[int]:
+    if isinstance(request, CompletionRequest) and isinstance(request.prompt, tuple):
         # the client sent token ids: it has done the template and tokenize steps itself
         return list(request.prompt)
     prompt = pm.hook.lockgate_render_prompt(request=request, model=model)

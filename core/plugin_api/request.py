@@ -1,38 +1,507 @@
-"""Plain data that flows through the pipeline: requests, work items, error answers."""
+"""The typed request: one OpenAI request body, parsed and checked once.
+
+`parse_request` is the first step of every request, before any hook runs
+and not a hook itself, so no plugin set can leave a body unchecked. Each
+field below is declared once, with its JSON type, bounds and default; the
+hooks then receive a `ChatRequest` or `CompletionRequest` whose values are
+known to be well-typed and in range, and `GenerationRequest.sampling_params`
+converts it, once, into what the engine runs. Every parse error is an
+`InvalidRequestError` whose `param` is the exact field (`messages[2].content`,
+`stream_options.include_usage`). Unknown fields are ignored, as OpenAI does;
+they stay readable in `GenerationRequest.body` for plugins that define
+extensions.
+
+What needs the model (token ids inside the vocabulary, `n` within the
+engine's limit, the prompt within the context) is checked where the model
+is known, by the engine, whose errors name a `subject` that
+`GenerationRequest.param_for` turns into this request's field.
+
+Dataclasses, not pydantic or msgspec: the checks are few and flat, their
+messages and `param` paths must be OpenAI's (a validation library's own
+errors would need translating field by field), and the plugin API gains no
+dependency that third-party plugins would have to agree with.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 from lockgate.engine.params import SamplingParams
+from lockgate.errors import InvalidRequestError, InvalidSchema
 
 CHAT_ENDPOINT = "chat.completions"
 COMPLETIONS_ENDPOINT = "completions"
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_STOP_SEQUENCES = 4
+MAX_TOP_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-@dataclasses.dataclass
-class Request:
-    """One request as the pipeline sees it.
+#: reads one JSON value found at `where` (a param path) into its typed form,
+#: or raises `InvalidRequestError` naming `where`
+Reader = Callable[[Any, str], Any]
 
-    A completions body with a list of prompts becomes one `Request` per
-    prompt, sharing the body; `prompt` is that one prompt and `choice_offset`
-    the index of its first choice in the response.
+
+# ---------------------------------------------------------------- readers
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type, for error messages."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number"
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def number(low: float, high: float, *, low_open: bool = False, integer: bool = False) -> Reader:
+    """A number in [low, high] ((low, high] with `low_open`); an integer when `integer`."""
+
+    def read(value: Any, where: str) -> float | int:
+        if not (_is_int(value) if integer else _is_number(value)):
+            kind = "an integer" if integer else "a number"
+            raise InvalidRequestError(f"{where} must be {kind}, not {json_type(value)}", param=where)
+        if value != value or (value <= low if low_open else value < low) or value > high:
+            bracket = "(" if low_open else "["
+            raise InvalidRequestError(f"{where} must be in {bracket}{low}, {high}], got {value}", param=where)
+        return value if integer else float(value)
+
+    return read
+
+
+def integer(low: int, high: int = INT64_MAX) -> Reader:
+    return number(low, high, integer=True)
+
+
+def boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"{where} must be a boolean, not {json_type(value)}", param=where)
+    return value
+
+
+def string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{where} must be a string, not {json_type(value)}", param=where)
+    return value
+
+
+def _object(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{where} must be an object, not {json_type(value)}", param=where)
+    return value
+
+
+def read_token_ids(value: Any, where: str) -> tuple[int, ...]:
+    """A non-empty array of token ids (integers >= 0; the vocabulary's end
+    is the engine's to check)."""
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError(f"{where} must be a non-empty array of token ids", param=_root(where))
+    for token in value:
+        if not _is_int(token) or token < 0:
+            raise InvalidRequestError(
+                f"{where} must hold token ids (integers >= 0), found {json.dumps(token)[:40]}",
+                param=_root(where),
+            )
+    return tuple(value)
+
+
+def _root(where: str) -> str:
+    """`prompt[1]` -> `prompt`: token-id errors name the whole field, as OpenAI does."""
+    return where.split("[", 1)[0]
+
+
+def read_stop(value: Any, where: str) -> tuple[str, ...]:
+    if isinstance(value, str) and value:
+        return (value,)
+    if isinstance(value, list) and len(value) <= MAX_STOP_SEQUENCES and all(
+        isinstance(s, str) and s for s in value
+    ):
+        return tuple(value)
+    raise InvalidRequestError(
+        f"{where} must be a non-empty string or an array of at most {MAX_STOP_SEQUENCES} non-empty strings",
+        param=where,
+    )
+
+
+def read_stop_token_ids(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise InvalidRequestError(f"{where} must be an array of token ids (integers >= 0)", param=where)
+    return tuple(value)
+
+
+def read_logit_bias(value: Any, where: str) -> dict[int, float]:
+    bias = _object(value, where)
+    read: dict[int, float] = {}
+    for key, amount in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequestError(f"{where} keys must be token ids, got {key!r}", param=where) from None
+        if token < 0:
+            raise InvalidRequestError(f"{where} keys must be token ids >= 0, got {key!r}", param=where)
+        if not _is_number(amount) or not -100 <= amount <= 100:
+            raise InvalidRequestError(
+                f"{where} values must be numbers in [-100, 100], got {amount!r} for {key}", param=where
+            )
+        read[token] = float(amount)
+    return read
+
+
+def read_include_usage(value: Any, where: str) -> bool:
+    """`stream_options`: only `include_usage` is read."""
+    options = _object(value, where)
+    found = options.get("include_usage")
+    return False if found is None else boolean(found, f"{where}.include_usage")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputFormat:
+    """What `response_format` constrains the output to: a JSON schema."""
+
+    schema: Mapping[str, Any]
+    #: refuse schema features the grammar compiler does not implement
+    strict: bool = False
+
+
+def read_response_format(value: Any, where: str) -> OutputFormat | None:
+    """`response_format`: None for text, else the JSON schema to follow.
+
+    Accepted: `{"type": "text"}`; `{"type": "json_object"}` (any object) and
+    its older form with a `schema`; `{"type": "json_schema", "json_schema":
+    {"name", "description", "schema", "strict"}}` where only `schema` is
+    required. The schema itself is compiled, and checked, with the grammar.
+    """
+    fmt = _object(value, where)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = fmt.get("schema")
+        return OutputFormat({"type": "object"} if schema is None else _schema(schema, f"{where}.schema"))
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if spec is None:
+            raise InvalidSchema(f"{where}.json_schema is required when {where}.type is 'json_schema'", param=where)
+        _schema(spec, f"{where}.json_schema")
+        for name in ("name", "description"):
+            if spec.get(name) is not None and not isinstance(spec[name], str):
+                raise InvalidSchema(
+                    f"{where}.json_schema.{name} must be a string, got {_a(json_type(spec[name]))}", param=where
+                )
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidSchema(
+                f"{where}.json_schema.strict must be a boolean, got {_a(json_type(strict))}", param=where
+            )
+        if spec.get("schema") is None:
+            raise InvalidSchema(f"{where}.json_schema.schema is required", param=where)
+        return OutputFormat(_schema(spec["schema"], f"{where}.json_schema.schema"), bool(strict))
+    raise InvalidRequestError(
+        f"{where}.type must be one of text, json_object, json_schema, got "
+        + (json.dumps(kind) if isinstance(kind, str) else json_type(kind)),
+        param=where,
+    )
+
+
+def _schema(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidSchema(f"{where} must be a JSON object, got {_a(json_type(value))}", param=_root(where.split(".")[0]))
+    return value
+
+
+def _a(kind: str) -> str:
+    return ("an " if kind[0] in "aeiou" else "a ") + kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One chat message, its content as text."""
+
+    role: str
+    content: str
+    name: str | None = None
+    #: a `tool` message: the call it answers
+    tool_call_id: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        """The message as chat templates read it."""
+        message = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def read_messages(value: Any, where: str) -> tuple[Message, ...]:
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
+    if not value:
+        raise InvalidRequestError(f"{where} must not be empty", param=where)
+    return tuple(_message(item, f"{where}[{i}]") for i, item in enumerate(value))
+
+
+def _message(value: Any, where: str) -> Message:
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{where} must be an object", param=where)
+    role = value.get("role")
+    if role not in CHAT_ROLES:
+        raise InvalidRequestError(
+            f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", param=f"{where}.role"
+        )
+    name = value.get("name")
+    if name is not None:
+        string(name, f"{where}.name")
+    tool_call_id = value.get("tool_call_id")
+    if tool_call_id is not None:
+        string(tool_call_id, f"{where}.tool_call_id")
+    return Message(role, _content(value.get("content"), f"{where}.content"), name, tool_call_id)
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's content as text: a string, or its text parts joined."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidRequestError(
+            f"{where} must be a string or an array of text parts, not {json_type(value)}", param=where
+        )
+    texts = []
+    for j, part in enumerate(value):
+        part_where = f"{where}[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else json_type(part)
+            raise InvalidRequestError(
+                f'{part_where} must be a text part ({{"type": "text", "text": ...}}); '
+                f"this model reads text only, got {kind!r}",
+                param=part_where,
+            )
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{part_where}.text must be a string", param=part_where)
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+#: one completions prompt: text, or token ids
+Prompt = str | tuple[int, ...]
+
+
+def read_prompts(value: Any, where: str) -> tuple[Prompt, ...]:
+    """`prompt`: a string, an array of strings, an array of token ids or an
+    array of token-id arrays; each is one prompt."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return tuple(value)
+        if all(isinstance(p, list) for p in value):
+            return tuple(read_token_ids(ids, f"{where}[{i}]") for i, ids in enumerate(value))
+        if not any(isinstance(p, (str, list)) for p in value):
+            return (read_token_ids(value, where),)
+    raise InvalidRequestError(
+        f"{where} must be a string, an array of strings, an array of token ids "
+        "or an array of token-id arrays",
+        param=where,
+    )
+
+
+# ---------------------------------------------------------------- requests
+
+
+def param(default: Any = None, reader: Reader | None = None, *, key: str | None = None, required: bool = False):
+    """Declare one body field: read with `reader` from `body[key]` (the
+    attribute's name by default) when present and not null, else `default`
+    (a `dict` default is copied for each request)."""
+    metadata = {"reader": reader, "key": key, "required": required}
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """What chat completions and completions share.
+
+    Not built directly: `parse_request` builds a `ChatRequest` or a
+    `CompletionRequest` from a body.
     """
 
+    #: the endpoint's name, `CHAT_ENDPOINT` or `COMPLETIONS_ENDPOINT`
+    endpoint: ClassVar[str]
+
+    #: the request id (`x-request-id`)
     id: str
-    endpoint: str
-    body: dict[str, Any]
-    #: completions only: this request's prompt, text or token ids
-    prompt: str | list[int] | None = None
-    choice_offset: int = 0
-    #: scratch space for plugins, keyed by plugin name
-    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: the body as sent, for plugins that read extension fields
+    body: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    model: str = param("", string)
+    stream: bool = param(False, boolean)
+    include_usage: bool = param(False, read_include_usage, key="stream_options")
+    n: int = param(1, integer(1))
+    max_tokens: int | None = param(None, integer(1))
+    max_completion_tokens: int | None = param(None, integer(1))
+    temperature: float = param(1.0, number(0, 2))
+    top_p: float = param(1.0, number(0, 1, low_open=True))
+    seed: int | None = param(None, integer(INT64_MIN))
+    presence_penalty: float = param(0.0, number(-2, 2))
+    frequency_penalty: float = param(0.0, number(-2, 2))
+    stop: tuple[str, ...] = param((), read_stop)
+    logit_bias: Mapping[int, float] = param({}, read_logit_bias)
+    response_format: OutputFormat | None = param(None, read_response_format)
+    user: str | None = param(None, string)
+    # extensions, as vLLM and llama.cpp's server name them
+    #: -1 or 0 disables
+    top_k: int = param(0, integer(-1))
+    min_p: float = param(0.0, number(0, 1))
+    repetition_penalty: float = param(1.0, number(0, 10, low_open=True))
+    ignore_eos: bool = param(False, boolean)
+    skip_special_tokens: bool = param(True, boolean)
+    stop_token_ids: tuple[int, ...] = param((), read_stop_token_ids)
 
     @property
     def is_chat(self) -> bool:
         return self.endpoint == CHAT_ENDPOINT
 
     @property
-    def stream(self) -> bool:
-        return self.body.get("stream") is True
+    def completion_limit(self) -> int | None:
+        """Most tokens to generate per choice: `max_completion_tokens`, the
+        newer name, wins over `max_tokens`."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    #: the field that holds the prompt ("messages" or "prompt")
+    prompt_field: ClassVar[str]
+
+    def param_for(self, subject: str) -> str:
+        """The field of this request an error about `subject` names: the
+        engine and the grammar compiler speak of "prompt", "max_tokens" and
+        "schema", the client sent `messages`, `max_completion_tokens` and
+        `response_format`."""
+        if subject == "prompt":
+            return self.prompt_field
+        if subject == "max_tokens":
+            return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        if subject == "schema":
+            return "response_format"
+        return subject
+
+    def top_logprobs_count(self) -> int | None:
+        """How many alternatives to report per token; None: no logprobs."""
+        raise NotImplementedError
+
+    def sampling_params(self, grammar: object | None = None) -> SamplingParams:
+        """How the engine samples for this request (`grammar`: the compiled
+        `response_format`)."""
+        return SamplingParams(
+            max_tokens=self.completion_limit,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=dict(self.logit_bias),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            n=self.n,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=self.top_logprobs_count(),
+            grammar=grammar,
+        )
+
+    def _check_combinations(self) -> None:
+        if self.body.get("stream_options") is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChatRequest(GenerationRequest):
+    """A `POST /v1/chat/completions` body."""
+
+    endpoint: ClassVar[str] = CHAT_ENDPOINT
+    prompt_field: ClassVar[str] = "messages"
+
+    messages: tuple[Message, ...] = param((), read_messages, required=True)
+    logprobs: bool = param(False, boolean)
+    top_logprobs: int | None = param(None, integer(0, MAX_TOP_LOGPROBS))
+
+    def top_logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _check_combinations(self) -> None:
+        super()._check_combinations()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompletionRequest(GenerationRequest):
+    """A `POST /v1/completions` body. It may carry several prompts;
+    `split` gives one request per prompt, each run through the pipeline."""
+
+    endpoint: ClassVar[str] = COMPLETIONS_ENDPOINT
+    prompt_field: ClassVar[str] = "prompt"
+
+    prompts: tuple[Prompt, ...] = param((), read_prompts, key="prompt", required=True)
+    logprobs: int | None = param(None, integer(0, MAX_TOP_LOGPROBS))
+    echo: bool = param(False, boolean)
+    suffix: str | None = param(None, string)
+    best_of: int | None = param(None, integer(1))
+
+    @property
+    def prompt(self) -> Prompt:
+        """This request's prompt (the first, before `split`)."""
+        return self.prompts[0]
+
+    def split(self) -> list["CompletionRequest"]:
+        """One request per prompt; ids get a `-i` suffix when there are several."""
+        if len(self.prompts) == 1:
+            return [self]
+        return [
+            dataclasses.replace(self, id=f"{self.id}-{i}", prompts=(prompt,))
+            for i, prompt in enumerate(self.prompts)
+        ]
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
+
+
+REQUEST_TYPES: dict[str, type[GenerationRequest]] = {
+    CHAT_ENDPOINT: ChatRequest,
+    COMPLETIONS_ENDPOINT: CompletionRequest,
+}
+
+
+def parse_request(endpoint: str, body: Mapping[str, Any], *, request_id: str) -> GenerationRequest:
+    """Read `body` (a decoded JSON object) as a request to `endpoint`.
+
+    :raises InvalidRequestError: (400) naming the first field that is
+        missing, of the wrong type or out of range.
+    """
+    cls = REQUEST_TYPES[endpoint]
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        reader = field.metadata.get("reader")
+        if reader is None:
+            continue
+        key = field.metadata["key"] or field.name
+        value = body.get(key)
+        if value is None:
+            if field.metadata["required"]:
+                raise InvalidRequestError(f"{key} is required", param=key)
+            continue
+        values[field.name] = reader(value, key)
+    request = cls(id=request_id, body=body, **values)
+    request._check_combinations()
+    return request

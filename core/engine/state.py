@@ -1,0 +1,81 @@
+"""What the engine tracks about an admitted request and each of its choices."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from lockgate.engine.detokenizer import IncrementalDetokenizer
+from lockgate.engine.sampling import make_generator
+
+if TYPE_CHECKING:
+    from lockgate.engine.handle import RequestHandle
+
+
+class Choice:
+    """One generated sequence of a request."""
+
+    def __init__(self, request: "RequestState", index: int, tokenizer) -> None:
+        self.request = request
+        self.index = index
+        #: the executor's sequence id, or -1 while the choice holds no KV
+        self.seq_id = -1
+        #: tokens of prompt + output already in the KV cache
+        self.kv_len = 0
+        self.output_ids: list[int] = []
+        params = request.params
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, request.prompt_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens
+        )
+        self.rng = make_generator(params, index)
+        self.matcher = None if params.grammar is None else params.grammar.matcher()
+        self.finished = False
+
+    def pending(self) -> list[int]:
+        """Tokens not yet in the KV cache: the prompt's rest, or the last sampled token."""
+        prompt = self.request.prompt_ids
+        if self.kv_len < len(prompt):
+            return [*prompt[self.kv_len :], *self.output_ids]
+        return self.output_ids[self.kv_len - len(prompt) :]
+
+
+class RequestState:
+    """An admitted request: its choices and where it stands.
+
+    It starts with one choice; the other `n - 1` are forked from it once the
+    prompt is in the KV cache, so they share the prompt's pages.
+    """
+
+    def __init__(self, handle: "RequestHandle", tokenizer) -> None:
+        self.handle = handle
+        self.work = handle.work
+        self.request_id = handle.work.request_id
+        self.params = handle.work.params
+        self.prompt_ids = handle.work.prompt_token_ids
+        self.max_tokens = handle.max_tokens
+        self.tokenizer = tokenizer
+        self.choices: list[Choice] = [Choice(self, 0, tokenizer)]
+        #: the `n - 1` other choices exist (created by forking the first)
+        self.forked = self.params.n == 1
+        self.arrived_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.preemptions = 0
+        #: finished, failed or aborted, as the engine thread sees it
+        self.done = False
+
+    @property
+    def live_choices(self) -> list[Choice]:
+        return [c for c in self.choices if not c.finished]
+
+    @property
+    def slots(self) -> int:
+        """Sequence slots this request occupies (or will, once forked)."""
+        return self.params.n if not self.forked else len(self.live_choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.output_ids) for c in self.choices)
+
+    def new_choices(self) -> list[Choice]:
+        """The `n - 1` choices that fork from the first."""
+        return [Choice(self, index, self.tokenizer) for index in range(1, self.params.n)]

@@ -1,0 +1,48 @@
+"""Stop rules: whether a choice ends with the token just sampled, and why."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from lockgate.engine.handle import Delta
+from lockgate.engine.sampling import TokenLogprob
+from lockgate.engine.state import Choice
+
+#: finish reasons, as plain data (the protocol layer words them)
+STOP = "stop"
+LENGTH = "length"
+
+
+class StopChecker:
+    """Takes each sampled token into its choice and turns it into a `Delta`.
+
+    A choice stops on an end-of-sequence token (unless `ignore_eos`), on one
+    of the request's stop token ids, on a stop string (the detokenizer finds
+    those across token boundaries), when its grammar is complete, and at
+    `max_tokens`.
+    """
+
+    def __init__(self, eos_token_ids: Iterable[int]) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def accept(self, choice: Choice, token: int, logprob: TokenLogprob | None) -> Delta:
+        params = choice.request.params
+        choice.output_ids.append(token)
+        logprobs = None if logprob is None else [logprob]
+
+        def delta(text: str, reason: str | None) -> Delta:
+            return Delta(choice.index, text, [token], reason, logprobs)
+
+        if choice.matcher is not None:
+            choice.matcher.accept(token)
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        if is_eos or token in params.stop_token_ids:
+            return delta(choice.detokenizer.finish(), STOP)
+        step = choice.detokenizer.add(token)
+        if step.stopped:
+            return delta(step.text, STOP)
+        if choice.matcher is not None and choice.matcher.is_finished:
+            return delta(step.text + choice.detokenizer.finish(), STOP)
+        if len(choice.output_ids) >= choice.request.max_tokens:
+            return delta(step.text + choice.detokenizer.finish(), LENGTH)
+        return delta(step.text, None)

@@ -1,0 +1,342 @@
+"""The OpenAI protocol: what the server reads and writes on the wire.
+
+Everything shaped by the OpenAI API lives here, so the engine and core can
+speak plain data (token ids, counts, finish reasons, typed errors):
+
+* reading a body (`read_json_body`): JSON, UTF-8, an object, every string
+  encodable;
+* response bodies, whole and streamed (`ResponseBuilder`), `usage` and
+  model cards;
+* error bodies (`error_body`) and the answer to an exception
+  (`error_response`, which asks the `lockgate_handle_exception` plugins).
+
+Parsing a body into a typed request is the plugin API's
+(`lockgate.plugin_api.request`): the hooks receive that object.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from lockgate.engine import Delta, Usage
+from lockgate.engine.sampling import TokenLogprob
+from lockgate.errors import (
+    ErrorResponse,
+    InvalidRequestError,
+    LockgateError,
+    MethodNotAllowed,
+    RequestTooLarge,
+    RouteNotFound,
+    UnsupportedMediaType,
+)
+from lockgate.models import Model
+from lockgate.server.keys import ERROR_ANSWER, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS
+
+log = structlog.get_logger("lockgate.server")
+
+
+# ------------------------------------------------------------------ request bodies
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_body(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; 400 for anything else (413 comes from aiohttp).
+
+    The body must be declared JSON (415 otherwise): besides saying what the
+    server reads, this keeps a web page from posting to the API without the
+    CORS preflight that `--allowed-origins` governs, since a browser sends
+    form and text bodies cross-origin unasked.
+    """
+    content_type = request.content_type  # application/octet-stream when absent
+    if not (content_type == "application/json" or content_type.endswith("+json")):
+        raise UnsupportedMediaType(
+            f"the request body must be JSON, sent with 'Content-Type: application/json' "
+            f"(got {request.headers.get('Content-Type', 'no Content-Type')!r})"
+        )
+    charset = request.charset
+    if charset is not None and charset.lower().replace("-", "") != "utf8":
+        raise UnsupportedMediaType(f"JSON bodies must be UTF-8, not {charset!r}")
+    raw = await request.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise InvalidRequestError("the request body is nested too deeply") from None
+    except ValueError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    if _MAY_HOLD_SURROGATE.search(raw):
+        reject_unencodable_strings(body)
+    return body
+
+
+# JSON's \uD800-\uDFFF escapes are the only way a body that decoded as UTF-8
+# can carry a surrogate; a paired one decodes to a proper character.
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def reject_unencodable_strings(body: dict[str, Any]) -> None:
+    """Refuse a body any of whose strings, keys included, holds an unpaired
+    surrogate (`"\\ud800"`): Python's JSON parser accepts it, but no later
+    stage can (the tokenizer, the grammar compiler and the detokenizer raise,
+    UTF-8 cannot encode it). Checked once here, on the whole body, so every
+    string the pipeline hands onward is encodable whatever field it came in.
+
+    :raises InvalidRequestError: (400) with `param` the field's path, as
+        `messages[2].content[0].text`.
+    """
+    # depth first, in document order, without recursion (bodies nest deep)
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _require_encodable(value, path)
+        elif isinstance(value, dict):
+            for key in value:
+                _require_encodable(key, path, key=True)
+            stack.extend((f"{path}.{key}" if path else key, item) for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", value[i]) for i in reversed(range(len(value))))
+
+
+def _require_encodable(text: str, path: str, *, key: bool = False) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = f"a key of {path}" if key and path else "a key of the body" if key else path
+        surrogate = ord(text[exc.start])
+        raise InvalidRequestError(
+            f"{where} is not valid Unicode: it holds an unpaired surrogate "
+            f"(\\u{surrogate:04x}) at character {exc.start}",
+            param=path or None,
+        ) from None
+
+
+# ------------------------------------------------------------------ plain data as OpenAI JSON
+
+
+def usage_body(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def model_card(model: Model) -> dict[str, Any]:
+    """The model's entry in `GET /v1/models`."""
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "lockgate",
+        "max_model_len": model.context_length,
+    }
+
+
+def error_body(answer: ErrorResponse) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": answer.message,
+            "type": answer.type,
+            "param": answer.param,
+            "code": answer.code,
+        }
+    }
+
+
+class ResponseBuilder:
+    """Builds the JSON of one response (or its stream chunks) for an endpoint.
+
+    :param token_bytes: a `lockgate.models.tokenizer.TokenBytes` of the model, to
+        spell out tokens in logprobs.
+    """
+
+    def __init__(self, *, chat: bool, request_id: str, model: str, token_bytes) -> None:
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time())
+        self.token_bytes = token_bytes
+        #: completions logprobs: characters of text so far per choice (text_offset)
+        self._offsets: dict[int, int] = {}
+
+    # ------------------------------------------------------------ logprobs
+
+    def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """The `logprobs` object of a choice (or of a chunk) in the endpoint's shape."""
+        if entries is None:
+            return None
+        text = self.token_bytes.text
+        if self.chat:
+            def entry(token_id: int, logprob: float) -> dict[str, Any]:
+                return {"token": text(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
+
+            return {
+                "content": [
+                    {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                    for e in entries
+                ],
+                "refusal": None,
+            }
+        offsets = []
+        for e in entries:
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(text(e.token_id))
+        return {
+            "tokens": [text(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+
+    # ------------------------------------------------------------ whole
+
+    def completion(
+        self,
+        texts: dict[int, str],
+        finish_reasons: dict[int, str | None],
+        usage: Usage,
+        logprobs: dict[int, list[TokenLogprob] | None],
+    ) -> dict[str, Any]:
+        choices = []
+        for index in sorted(texts):
+            if self.chat:
+                choice = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": texts[index]},
+                    "logprobs": self.logprobs(index, logprobs.get(index)),
+                    "finish_reason": finish_reasons.get(index),
+                }
+            else:
+                choice = {
+                    "index": index,
+                    "text": texts[index],
+                    "logprobs": self.logprobs(index, logprobs.get(index)),
+                    "finish_reason": finish_reasons.get(index),
+                }
+            choices.append(choice)
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = usage_body(usage)
+        return body
+
+    # ------------------------------------------------------------ streamed
+
+    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", choices)
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
+        """The first chunk of a chat choice: the assistant role, no text yet."""
+        return self._chunk(
+            [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            include_usage,
+        )
+
+    def delta_chunk(self, index: int, delta: Delta, include_usage: bool) -> dict[str, Any]:
+        """The chunk of one engine delta, for the response's choice `index`."""
+        if self.chat:
+            choice = {
+                "index": index,
+                "delta": {"content": delta.text} if delta.text or delta.finish_reason is None else {},
+                "logprobs": self.logprobs(index, delta.logprobs),
+                "finish_reason": delta.finish_reason,
+            }
+        else:
+            choice = {
+                "index": index,
+                "text": delta.text,
+                "logprobs": self.logprobs(index, delta.logprobs),
+                "finish_reason": delta.finish_reason,
+            }
+        return self._chunk([choice], include_usage)
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """The last chunk when `stream_options.include_usage`: no choices, the usage."""
+        body = self._chunk([], include_usage=False)
+        body["usage"] = usage_body(usage)
+        return body
+
+
+# ------------------------------------------------------------------ errors
+
+
+def error_response(request: web.Request, exc: BaseException) -> ErrorResponse:
+    """How to answer `exc`: the `lockgate_handle_exception` plugins are
+    asked once per exception, and the answer is kept on the request (for
+    the request counter and the summary log line). Never raises."""
+    known = request.get(ERROR_ANSWER)
+    if known is not None and known[0] is exc:
+        return known[1]
+    error = error_from_http_exception(request, exc) if isinstance(exc, web.HTTPException) else exc
+    answer = _ask_plugins(request, error)
+    request[ERROR_ANSWER] = (exc, answer)
+    return answer
+
+
+def _ask_plugins(request: web.Request, exc: BaseException) -> ErrorResponse:
+    pipeline_request = request.get(PIPELINE_REQUEST)
+    pm = request.config_dict[PLUGIN_MANAGER]
+    try:
+        answer = pm.hook.lockgate_handle_exception(exception=exc, request=pipeline_request)
+        if isinstance(answer, ErrorResponse):
+            return answer
+        log.error("lockgate_handle_exception returned no ErrorResponse", returned=repr(answer))
+    except Exception:
+        log.exception("a lockgate_handle_exception implementation raised")
+    return ErrorResponse(
+        status=500,
+        message="The server had an error while processing your request "
+        f"(request id {request.get(REQUEST_ID)}).",
+        type="server_error",
+        code="internal_error",
+    )
+
+
+def error_from_http_exception(request: web.Request, exc: web.HTTPException) -> Exception:
+    """aiohttp's own HTTP errors (routing, body size) as lockgate errors."""
+    if exc.status == 404:
+        return RouteNotFound(f"Unknown route: {request.method} {request.path}")
+    if exc.status == 405:
+        return MethodNotAllowed(
+            f"Method {request.method} is not allowed for {request.path}",
+            headers={"Allow": exc.headers.get("Allow", "")},
+        )
+    if exc.status == 413:
+        limit = request.config_dict[SETTINGS].max_body_size
+        return RequestTooLarge(f"The request body is larger than the limit of {limit} bytes")
+    error = InvalidRequestError(exc.text or exc.reason) if exc.status < 500 else LockgateError(exc.reason)
+    error.status = exc.status
+    return error
