@@ -80,14 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     plugins = commands.add_parser("plugins", help="list loaded plugins and their hooks")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    if args.command == "plugins":
-        list_plugins(args.json)
-        return 0
-    from lockgate.errors import ModelLoadError
+    from lockgate.errors import ModelLoadError, PluginError
 
     try:
-        serve(settings_from_args(args))
-    except (InvalidSetting, ModelLoadError) as exc:
+        if args.command == "plugins":
+            list_plugins(args.json)
+        else:
+            serve(settings_from_args(args))
+    except (InvalidSetting, ModelLoadError, PluginError) as exc:
+        # a mistake in how the server was set up: say it, no traceback
         print(f"lockgate: {exc}", file=sys.stderr)
         return 2
     return 0

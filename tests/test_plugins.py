@@ -279,6 +279,19 @@ def test_cli_lists_plugins_and_hooks(installed_plugins):
     assert "    lockgate_render_prompt" in text
 
 
+@pytest.mark.parametrize("command", [["plugins"], ["serve", "--port", "0"]])
+def test_cli_refuses_a_blocked_builtin_without_a_traceback(command):
+    env = {**os.environ, "LOCKGATE_DISABLED_PLUGINS": "errors"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lockgate.server.cli", *command],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("lockgate: ") and "cannot be disabled" in last_line
+    assert "Traceback" not in result.stderr
+
+
 async def test_trace_plugins_logs_every_hook_call(monkeypatch, tiny_model, make_client, caplog):
     class Policy:
         @hookimpl

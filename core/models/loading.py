@@ -58,16 +58,6 @@ class Model:
     def vocab_size(self) -> int:
         return self.executor.vocab_size
 
-    def card(self) -> dict[str, Any]:
-        """The model's entry in `GET /v1/models`."""
-        return {
-            "id": self.name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "lockgate",
-            "max_model_len": self.context_length,
-        }
-
 
 def registered_models(pm: pluggy.PluginManager) -> dict[str, ModelSpec]:
     """Every model plugins offer, by name and by alias."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import Iterator, Sequence
 
 import pluggy
@@ -36,7 +37,9 @@ async def run_pipeline(
     propagates.
     """
     loop = asyncio.get_running_loop()
-    future = loop.run_in_executor(None, prepare_request, pm, request, model)
+    # the worker thread gets this task's context: hook calls log with the request id
+    context = contextvars.copy_context()
+    future = loop.run_in_executor(None, context.run, prepare_request, pm, request, model)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
