@@ -1,0 +1,134 @@
+"""Test double: an executor without a model, for testing the scheduler and
+the engine loop without TVM.
+
+It keeps a paged KV cache's books the way TVM's does: each sequence holds a
+list of pages, a page holds `page_size` tokens, a fork shares the parent's
+full pages and copies its partly filled last one, and a page returns to the
+pool when no sequence holds it. It also remembers each sequence's tokens,
+so its "logits" can depend on the whole sequence: the next token it favours
+is a hash of every token so far. A scheduler that lost, repeated or
+reordered a token (in a preemption, a fork, a prefill chunk) changes what
+is generated, and a page it miscounted shows in `free_pages`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from lockgate.models.executor import Executor
+
+
+class FakeExecutor(Executor):
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 300,
+        page_size: int = 4,
+        total_pages: int = 64,
+        max_num_seqs: int = 8,
+        prefill_chunk_size: int = 16,
+        max_sequence_length: int = 256,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.page_size = page_size
+        self.total_pages = total_pages
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_sequence_length = max_sequence_length
+        self.tokens: dict[int, list[int]] = {}
+        self.pages: dict[int, list[int]] = {}
+        self._refs: dict[int, int] = {}
+        self._free = list(range(total_pages))
+        #: every forward pass: ("prefill" | "decode", {seq_id: tokens})
+        self.calls: list[tuple[str, dict[int, int]]] = []
+
+    # ------------------------------------------------------------ pages
+
+    def _take_page(self) -> int:
+        if not self._free:
+            raise RuntimeError("out of KV pages")  # the scheduler must never let this happen
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
+
+    def _drop_page(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            del self._refs[page]
+            self._free.append(page)
+
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self.tokens:
+            raise ValueError(f"sequence {seq_id} exists")
+        self.tokens[seq_id] = []
+        self.pages[seq_id] = []
+
+    def remove_sequence(self, seq_id: int) -> None:
+        if seq_id not in self.tokens:
+            raise ValueError(f"no sequence {seq_id}")
+        for page in self.pages.pop(seq_id):
+            self._drop_page(page)
+        del self.tokens[seq_id]
+
+    def fork_sequence(self, parent_id: int, child_id: int) -> None:
+        if child_id in self.tokens:
+            raise ValueError(f"sequence {child_id} exists")
+        pages = list(self.pages[parent_id])
+        if len(self.tokens[parent_id]) % self.page_size:
+            pages[-1] = self._take_page()  # the partly filled page is copied
+            shared = pages[:-1]
+        else:
+            shared = pages
+        for page in shared:
+            self._refs[page] += 1
+        self.tokens[child_id] = list(self.tokens[parent_id])
+        self.pages[child_id] = pages
+
+    def _append(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray:
+        tokens = self.tokens[seq_id]
+        for token in token_ids:
+            if len(tokens) % self.page_size == 0:
+                self.pages[seq_id].append(self._take_page())
+            tokens.append(int(token))
+        if len(tokens) > self.max_sequence_length:
+            raise ValueError(f"sequence {seq_id} is longer than {self.max_sequence_length}")
+        return self._logits(tokens)
+
+    def _logits(self, tokens: list[int]) -> np.ndarray:
+        favoured = zlib.crc32(np.asarray(tokens, dtype=np.int64).tobytes()) % self.vocab_size
+        row = np.zeros(self.vocab_size, dtype=np.float32)
+        row[favoured] = 10.0
+        row[(favoured + 1) % self.vocab_size] = 9.0  # a runner-up, for sampling to choose
+        return row
+
+    # ------------------------------------------------------------ forward passes
+
+    def prefill(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        if sum(len(t) for t in token_ids) > self.prefill_chunk_size or not all(token_ids):
+            raise ValueError("a prefill call carries 1 .. prefill_chunk_size tokens per chunk")
+        self.calls.append(("prefill", {s: len(t) for s, t in zip(seq_ids, token_ids)}))
+        return np.stack([self._append(s, t) for s, t in zip(seq_ids, token_ids)])
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        if len(seq_ids) > self.max_num_seqs:
+            raise ValueError("more rows than max_num_seqs")
+        self.calls.append(("decode", {s: 1 for s in seq_ids}))
+        return np.stack([self._append(s, [t]) for s, t in zip(seq_ids, token_ids)])
+
+
+def expected_greedy(executor: FakeExecutor, prompt: Sequence[int], max_tokens: int) -> list[int]:
+    """What greedy decoding of `prompt` must produce on this executor, worked
+    out from its logits alone (no scheduler involved)."""
+    tokens = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        token = int(np.argmax(executor._logits(tokens)))
+        out.append(token)
+        tokens.append(token)
+    return out

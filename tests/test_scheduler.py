@@ -1,0 +1,258 @@
+"""The scheduler, and the engine loop around it, without TVM: a fake executor
+(tests/fake_executor.py) keeps a paged KV cache's books and derives its
+logits from each sequence's whole content, so a scheduling mistake shows up
+as a wrong token or a miscounted page."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fake_executor import FakeExecutor, expected_greedy
+from lockgate.engine import Engine, EngineOptions, RequestHandle, Work
+from lockgate.engine.params import SamplingParams
+from lockgate.engine.scheduler import Scheduler
+from lockgate.engine.state import RequestState
+from lockgate.errors import Overloaded
+from lockgate.models.tokenizer import load_tokenizer
+
+#: the fake's vocabulary: inside the tiny model's tokenizer (299 tokens)
+VOCAB = 290
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_gguf):
+    return load_tokenizer(gguf.GGUFReader(tiny_gguf))
+
+
+def request_state(tokenizer, prompt, *, n=1, max_tokens=4, request_id="r") -> RequestState:
+    params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    handle = RequestHandle(None, Work(request_id, list(prompt), params), max_tokens)
+    return RequestState(handle, tokenizer)
+
+
+def scheduler_for(executor: FakeExecutor, *, budget: int | None = None, max_queue: int = 16) -> Scheduler:
+    return Scheduler(executor, step_token_budget=budget or executor.prefill_chunk_size, max_queue=max_queue)
+
+
+def apply(executor: FakeExecutor, scheduler: Scheduler, batch) -> None:
+    """Run a planned batch on the executor as the engine does: decode rows,
+    prefill chunks, a fork once a prompt is in, one greedy token per choice
+    whose tokens are all in."""
+    ready = []
+    if batch.decode:
+        logits = executor.decode([c.seq_id for c in batch.decode], [c.pending()[0] for c in batch.decode])
+        for row, choice in enumerate(batch.decode):
+            choice.kv_len += 1
+            ready.append((choice, logits[row]))
+    if batch.prefill:
+        logits = executor.prefill([c.seq_id for c, _ in batch.prefill], [t for _, t in batch.prefill])
+        for row, (choice, tokens) in enumerate(batch.prefill):
+            choice.kv_len += len(tokens)
+            if not choice.pending():
+                ready.append((choice, logits[row]))
+    for choice, row in ready:
+        state = choice.request
+        targets = [choice]
+        if not state.forked:  # the prompt is in: every choice samples from its row
+            scheduler.fork(state)
+            targets = state.live_choices
+        for each in targets:
+            each.output_ids.append(int(row.argmax()))
+
+
+# ------------------------------------------------------------------ admission
+
+
+def test_admission_is_first_come_first_served_within_the_sequence_slots(tokenizer):
+    executor = FakeExecutor(max_num_seqs=4)
+    scheduler = scheduler_for(executor)
+    states = [request_state(tokenizer, [5, 6], n=n, request_id=str(i)) for i, n in enumerate([2, 1, 2, 1])]
+    for state in states:
+        scheduler.enqueue(state)
+    scheduler.admit()
+    # 2 + 1 slots taken; the next asks for 2 of the 1 left, and the one after
+    # it waits too rather than overtake
+    assert scheduler.running == states[:2]
+    assert list(scheduler.waiting) == states[2:]
+    assert set(executor.tokens) == {c.seq_id for s in states[:2] for c in s.choices}
+
+
+def test_a_full_queue_is_overloaded(tokenizer):
+    scheduler = scheduler_for(FakeExecutor(), max_queue=2)
+    scheduler.enqueue(request_state(tokenizer, [1]))
+    scheduler.enqueue(request_state(tokenizer, [1]))
+    with pytest.raises(Overloaded) as refused:
+        scheduler.enqueue(request_state(tokenizer, [1]))
+    assert refused.value.headers["Retry-After"] == "1"
+    assert len(scheduler.waiting) == 2
+
+
+# ------------------------------------------------------------------ planning
+
+
+def test_long_prompts_are_chunked_within_the_step_budget_and_decodes_come_first(tokenizer):
+    executor = FakeExecutor(prefill_chunk_size=16)
+    scheduler = scheduler_for(executor, budget=10)
+    short = request_state(tokenizer, [7, 8, 9], request_id="short")
+    long = request_state(tokenizer, list(range(1, 26)), request_id="long")
+    scheduler.enqueue(short)
+    scheduler.enqueue(long)
+    scheduler.admit()
+    batch = scheduler.plan()
+    assert batch.decode == []
+    assert [(c.request.request_id, len(t)) for c, t in batch.prefill] == [("short", 3), ("long", 7)]
+    apply(executor, scheduler, batch)
+    batch = scheduler.plan()
+    # the short prompt decodes now: 1 token of the budget, 9 left for the long one
+    assert [c.request.request_id for c in batch.decode] == ["short"]
+    assert [(c.request.request_id, len(t)) for c, t in batch.prefill] == [("long", 9)]
+    apply(executor, scheduler, batch)
+    batch = scheduler.plan()
+    assert [(c.request.request_id, t) for c, t in batch.prefill] == [("long", list(range(17, 26)))]
+
+
+def test_running_out_of_pages_preempts_the_newest_request(tokenizer):
+    # 6 pages of 4 tokens; two 8-token prompts take 2 pages each; two
+    # sequence slots, so a third request waits
+    executor = FakeExecutor(total_pages=6, page_size=4, prefill_chunk_size=32, max_num_seqs=2)
+    scheduler = scheduler_for(executor)
+    old, new, later = (
+        request_state(tokenizer, list(range(1, 9)), max_tokens=12, request_id=i) for i in ("old", "new", "later")
+    )
+    for state in (old, new, later):
+        scheduler.enqueue(state)
+    scheduler.admit()
+    assert list(scheduler.waiting) == [later]
+    preempted_at = None
+    for step in range(12):
+        batch = scheduler.plan()
+        if preempted_at is None and scheduler.preemptions:
+            preempted_at = step
+            # it goes back first in line, ahead of the request that never ran
+            assert scheduler.running == [old] and list(scheduler.waiting) == [new, later]
+            assert new.choices[0].seq_id == -1 and new.choices[0].kv_len == 0
+            assert new.preemptions == 1
+            # what it generated stays: recomputing takes prompt and output
+            assert new.choices[0].pending() == new.prompt_ids + new.choices[0].output_ids
+        apply(executor, scheduler, batch)
+    assert preempted_at is not None
+    assert executor.free_pages() + len({p for pages in executor.pages.values() for p in pages}) == 6
+
+
+def test_a_fork_shares_full_pages_and_copies_the_partly_filled_one(tokenizer):
+    executor = FakeExecutor(page_size=4)
+    scheduler = scheduler_for(executor)
+    state = request_state(tokenizer, list(range(1, 7)), n=3)  # 6 tokens: 1 full page, 1 partial
+    scheduler.enqueue(state)
+    scheduler.admit()
+    apply(executor, scheduler, scheduler.plan())
+    assert len(state.choices) == 3 and state.forked
+    used = executor.total_pages - executor.free_pages()
+    assert used == 2 + 2  # the prompt's two pages, one copy per child
+    parent = executor.pages[state.choices[0].seq_id]
+    for child in state.choices[1:]:
+        pages = executor.pages[child.seq_id]
+        assert pages[0] == parent[0] and pages[1] != parent[1]
+    # the admission rule's bound holds: never more than pages_alone
+    assert used <= scheduler.pages_alone(6, 1, 3)
+
+
+def test_removing_a_request_returns_every_page(tokenizer):
+    executor = FakeExecutor(page_size=4)
+    scheduler = scheduler_for(executor)
+    states = [request_state(tokenizer, list(range(1, 10)), n=2, request_id=str(i)) for i in range(3)]
+    for state in states:
+        scheduler.enqueue(state)
+    scheduler.admit()
+    for _ in range(3):
+        apply(executor, scheduler, scheduler.plan())
+    scheduler.remove(states[1])
+    assert states[1] not in scheduler.running
+    assert all(c.seq_id == -1 for c in states[1].choices)
+    assert scheduler.remove_all() == [states[0], states[2]]
+    assert executor.free_pages() == executor.total_pages and not executor.tokens
+
+
+# ------------------------------------------------------------------ the engine loop, driven by hand
+
+
+def engine_on(executor: FakeExecutor, tokenizer, **options) -> Engine:
+    return Engine(
+        executor, tokenizer, eos_token_ids=[tokenizer.eos_token_id],
+        context_length=executor.max_sequence_length, options=EngineOptions(**options),
+    )
+
+
+def run_to_completion(engine: Engine, limit: int = 10_000) -> None:
+    steps = 0
+    while engine.scheduler.has_work:
+        engine.step()
+        steps += 1
+        assert steps < limit, "the engine made no progress"
+
+
+def test_the_engine_retires_every_request_through_one_path(tokenizer):
+    executor = FakeExecutor(total_pages=8, page_size=4, prefill_chunk_size=8)
+    engine = engine_on(executor, tokenizer)
+    finished = []
+    engine.observer.request_finished = lambda **kw: finished.append(kw["outcome"])
+    handles = [
+        engine.add(Work(str(i), [i + 1] * 6, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)))
+        for i in range(4)
+    ]
+    engine.step()
+    engine.abort(handles[3])
+    run_to_completion(engine)
+    assert sorted(finished) == ["aborted", "success", "success", "success"]
+    assert executor.free_pages() == executor.total_pages and not executor.tokens
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=40),  # prompt
+            st.integers(1, 3),  # n
+            st.integers(1, 12),  # max_tokens
+            st.integers(0, 3),  # steps before it arrives
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    total_pages=st.integers(14, 40),
+    budget=st.integers(1, 24),
+)
+def test_any_schedule_generates_exactly_what_each_request_would_alone(tokenizer, requests, total_pages, budget):
+    """Whatever arrives when, however small the step budget and the cache,
+    with preemptions and forks: each choice's tokens are those greedy
+    decoding of its prompt gives on its own, and every page comes back."""
+    executor = FakeExecutor(
+        vocab_size=VOCAB, page_size=4, total_pages=total_pages, max_num_seqs=4,
+        prefill_chunk_size=16, max_sequence_length=64,
+    )
+    engine = engine_on(executor, tokenizer, max_num_batched_tokens=budget, max_n=3)
+    added = []
+    pending = sorted(enumerate(requests), key=lambda item: item[1][3])
+    step = 0
+    while pending or engine.scheduler.has_work:
+        while pending and pending[0][1][3] <= step:
+            i, (prompt, n, max_tokens, _) = pending.pop(0)
+            params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, temperature=0)
+            try:
+                engine.add(Work(str(i), prompt, params))
+            except Exception as exc:  # too big for this cache even alone: refused up front
+                assert "KV pages" in str(exc)
+                continue
+            added.append((engine.scheduler.waiting[-1], prompt, n, max_tokens))
+        engine.step()
+        step += 1
+        assert step < 5_000
+    for state, prompt, n, max_tokens in added:
+        assert state.done and len(state.choices) == n
+        want = expected_greedy(executor, prompt, max_tokens)
+        for choice in state.choices:
+            assert choice.output_ids == want
+    assert executor.free_pages() == executor.total_pages and not executor.tokens
