@@ -21,6 +21,12 @@ class LockgateError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str | None = "internal_error"
+    #: what the error is about, in the terms of code that knows no request
+    #: fields; None: the class names no subject of its own
+    subject: str | None = None
+    #: with a value, the answer carries `Retry-After` (seconds; `retry_after=`
+    #: overrides it per error)
+    retry_after: int | None = None
 
     def __init__(
         self,
@@ -30,14 +36,19 @@ class LockgateError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
         subject: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
-        self.subject = subject
+        if subject is not None:
+            self.subject = subject
         if code is not None:
             self.code = code
         self.headers = dict(headers or {})
+        retry_after = self.retry_after if retry_after is None else retry_after
+        if retry_after is not None:
+            self.headers.setdefault("Retry-After", str(retry_after))
 
 
 class InvalidRequestError(LockgateError):
@@ -63,17 +74,13 @@ class ContextLengthExceeded(InvalidRequestError):
 class TooManyChoices(InvalidRequestError):
     """`n` is over what the engine allows (400)."""
 
-    def __init__(self, message: str, **kwargs) -> None:
-        kwargs.setdefault("subject", "n")
-        super().__init__(message, **kwargs)
+    subject = "n"
 
 
 class ChoicesExceedCache(InvalidRequestError):
     """All `n` choices at their longest would not fit the KV cache even alone (400)."""
 
-    def __init__(self, message: str, **kwargs) -> None:
-        kwargs.setdefault("subject", "n")
-        super().__init__(message, **kwargs)
+    subject = "n"
 
 
 class TokenOutsideVocabulary(InvalidRequestError):
@@ -154,10 +161,7 @@ class Overloaded(LockgateError):
     status = 429
     type = "rate_limit_error"
     code = "server_busy"
-
-    def __init__(self, message: str, *, retry_after: int = 1, **kwargs) -> None:
-        super().__init__(message, **kwargs)
-        self.headers.setdefault("Retry-After", str(retry_after))
+    retry_after = 1
 
 
 class Unavailable(LockgateError):
@@ -166,10 +170,7 @@ class Unavailable(LockgateError):
     status = 503
     type = "server_error"
     code = "unavailable"
-
-    def __init__(self, message: str, *, retry_after: int = 5, **kwargs) -> None:
-        super().__init__(message, **kwargs)
-        self.headers.setdefault("Retry-After", str(retry_after))
+    retry_after = 5
 
 
 class InternalError(LockgateError):

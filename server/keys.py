@@ -22,5 +22,7 @@ PIPELINE_REQUEST = web.RequestKey("lockgate_pipeline_request", GenerationRequest
 #: per-request: the exception it was answered for and the answer (an
 #: `ErrorResponse`), if any
 ERROR_ANSWER = web.RequestKey("lockgate_error_answer", tuple)
+#: per-request: set when the request counter counts it (the API's requests)
+COUNTED = web.RequestKey("lockgate_counted", bool)
 #: per-request: token counts for the summary line
 USAGE = web.RequestKey("lockgate_usage", Usage)

@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 
 from lockgate.errors import AuthenticationError, OriginNotAllowed
-from lockgate.server.keys import ERROR_ANSWER, METRICS, REQUEST_ID, SETTINGS, USAGE
+from lockgate.server.keys import COUNTED, ERROR_ANSWER, METRICS, REQUEST_ID, SETTINGS, USAGE
 from lockgate.server.protocol import error_body, error_response, usage_body
 
 log = structlog.get_logger("lockgate.server")
@@ -57,6 +57,8 @@ async def request_id_middleware(request: web.Request, handler):
     finally:
         usage = request.get(USAGE)
         error_type = _error_type(request)
+        if request.get(COUNTED):
+            request.app[METRICS].count_request(status, error_type)
         log.info(
             "request",
             method=request.method,
@@ -142,24 +144,12 @@ async def error_middleware(request: web.Request, handler):
 
 @web.middleware
 async def count_requests_middleware(request: web.Request, handler):
-    """Counts each API request by outcome once it is over (a stream that
-    failed after its headers counts as an error)."""
-    status = 0
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except asyncio.CancelledError:
-        status = 499  # the client went away
-        raise
-    except web.HTTPException as exc:
-        status = exc.status if exc.status < 400 else error_response(request, exc).status
-        raise
-    except Exception as exc:
-        status = error_response(request, exc).status
-        raise
-    finally:
-        request.config_dict[METRICS].count_request(status, _error_type(request))
+    """Marks the request as one the request counter counts. The counting
+    itself happens in `request_id_middleware`, the outermost, which alone
+    sees the final status (an error answered by the error middleware, a
+    client gone, a stream that failed after its headers)."""
+    request[COUNTED] = True
+    return await handler(request)
 
 
 def require_api_key(request: web.Request) -> None:

@@ -148,7 +148,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     try:
         if typed.stream:
             return await _stream(request, typed, handles, builder)
-        return await _collect(request, handles, builder)
+        return await _collect(request, typed, handles, builder)
     except ConnectionResetError:
         log.info("client disconnected while waiting for its completion")
         return web.Response(status=499)  # nginx's "client closed request", for the log
@@ -158,14 +158,15 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             handle.abort()
 
 
-async def _collect(request, handles, builder: ResponseBuilder) -> web.Response:
+async def _collect(request, typed: GenerationRequest, handles, builder: ResponseBuilder) -> web.Response:
+    with_logprobs = typed.requested_logprobs() is not None
     texts: dict[int, list[str]] = {}
     finish_reasons: dict[int, str | None] = {}
     logprobs: dict[int, list | None] = {}
     for handle, offset in zip(handles, choice_offsets(handles)):
         for index in range(offset, offset + handle.n):
             texts[index] = []
-            logprobs[index] = None if handle.work.params.logprobs is None else []
+            logprobs[index] = [] if with_logprobs else None
     async for index, delta in _MergedDeltas(request, handles):
         texts[index].append(delta.text)
         if delta.logprobs:

@@ -393,7 +393,7 @@ class GenerationRequest:
             return "response_format"
         return subject
 
-    def top_logprobs_count(self) -> int | None:
+    def requested_logprobs(self) -> int | None:
         """How many alternatives to report per token; None: no logprobs."""
         raise NotImplementedError
 
@@ -416,7 +416,7 @@ class GenerationRequest:
             ignore_eos=self.ignore_eos,
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
-            logprobs=self.top_logprobs_count(),
+            logprobs=self.requested_logprobs(),
             grammar=grammar,
         )
 
@@ -436,7 +436,7 @@ class ChatRequest(GenerationRequest):
     logprobs: bool = param(False, boolean)
     top_logprobs: int | None = param(None, integer(0, MAX_TOP_LOGPROBS))
 
-    def top_logprobs_count(self) -> int | None:
+    def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def _check_combinations(self) -> None:
@@ -473,7 +473,7 @@ class CompletionRequest(GenerationRequest):
             for i, prompt in enumerate(self.prompts)
         ]
 
-    def top_logprobs_count(self) -> int | None:
+    def requested_logprobs(self) -> int | None:
         return self.logprobs
 
 

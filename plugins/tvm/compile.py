@@ -65,6 +65,19 @@ def as_target(target: Target | dict | str) -> Target:
     return resolve_target(target)
 
 
+def _cpu_blocks(func, target: Target):
+    """A schedule of `func` and its blocks with contiguous spatial blocks
+    inlined, as a CPU rule starts from; (None, None) where no CPU rule
+    applies (not a TIR function, not an llvm target, blocks it cannot read)."""
+    if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+        return None, None
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    if infos is None:
+        return None, None
+    return sch, try_inline_contiguous_spatial(sch, infos)
+
+
 class CPUMatmul(ScheduleRule):
     """Schedule `C[m…, n] (+)= A[m…, k] * B[k, n]` on the CPU.
 
@@ -107,13 +120,7 @@ class CPUMatmul(ScheduleRule):
         return min(self.n_block, n_extent), min(n_inner, n_extent)
 
     def apply(self, func, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
-            return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        infos = try_inline_contiguous_spatial(sch, infos)
+        sch, infos = _cpu_blocks(func, target)
         if infos is None:
             return None
         reductions = [b for b in infos if not b.is_injective()]
@@ -245,13 +252,7 @@ class CPUInjective(ScheduleRule):
     """
 
     def apply(self, func, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
-            return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        infos = try_inline_contiguous_spatial(sch, infos)
+        sch, infos = _cpu_blocks(func, target)
         if infos is None or len(infos) != 1 or not infos[0].is_injective():
             return None
         loops = sch.get_loops(infos[0].block_rv)

@@ -1,0 +1,51 @@
+"""The README's layout map names every module of the three packages, and
+only modules that exist."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGES = ("core", "plugins", "server")
+
+
+def layout_paths() -> set[str]:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- layout -->", 1)[1].split("<!-- end of layout -->", 1)[0]
+    paths, stack = set(), []
+    for line in block.splitlines():
+        match = re.match(r"^( *)(\S+)", line)
+        if not match or match[2].startswith("`"):
+            continue
+        depth = len(match[1]) // 2
+        name = match[2]
+        stack[depth:] = [name]
+        if name.endswith(".py") or name.endswith("/"):
+            paths.add("".join(stack))
+    return paths
+
+
+def test_the_layout_map_is_true():
+    mapped = layout_paths()
+    modules = {
+        str(path.relative_to(ROOT))
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    folders = {str(path.relative_to(ROOT)) + "/" for package in PACKAGES for path in (ROOT / package).rglob("*") if path.is_dir() and path.name != "__pycache__"}
+    missing = modules - mapped
+    assert not missing, f"modules the README's layout does not name: {sorted(missing)}"
+    invented = {p for p in mapped if p.endswith(".py")} - modules
+    assert not invented, f"the README's layout names modules that do not exist: {sorted(invented)}"
+    for folder in {p for p in mapped if p.endswith("/") and p.split("/")[0] in PACKAGES and p.count("/") > 1}:
+        assert folder in folders, folder
+
+
+def test_core_never_imports_the_server_or_aiohttp():
+    for path in (ROOT / "core").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*(from|import) (aiohttp|lockgate\.server)\b", text, re.M), path
+    for path in (ROOT / "plugins").rglob("*.py"):
+        assert not re.search(r"^\s*(from|import) lockgate\.server\b", path.read_text(), re.M), path
