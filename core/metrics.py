@@ -29,7 +29,12 @@ class _EngineGauges(Collector):
             "requests_waiting": GaugeMetricFamily(
                 "lockgate_requests_waiting", "Requests queued for admission.", labels=["model"]),
             "kv_pages_used": GaugeMetricFamily(
-                "lockgate_kv_pages_used", "KV cache pages held by sequences.", labels=["model"]),
+                "lockgate_kv_pages_used", "KV cache pages held by running or waiting sequences.",
+                labels=["model"]),
+            "kv_pages_cached": GaugeMetricFamily(
+                "lockgate_kv_pages_cached",
+                "KV cache pages only the prefix cache holds (evicted when pages are short).",
+                labels=["model"]),
             "kv_pages_total": GaugeMetricFamily(
                 "lockgate_kv_pages_total", "KV cache pages in all.", labels=["model"]),
         }
@@ -61,6 +66,12 @@ class Metrics:
             registry=self.registry)
         self.preemptions = Counter(
             "lockgate_preemptions", "Requests preempted for KV pages (recomputed later).", ["model"],
+            registry=self.registry)
+        self.prefix_queries = Counter(
+            "lockgate_prefix_cache_queries", "Prefix-cache lookups (one per sequence admitted).", ["model"],
+            registry=self.registry)
+        self.prefix_hits = Counter(
+            "lockgate_prefix_cache_hits", "Prompt tokens found in the prefix cache, not prefilled.", ["model"],
             registry=self.registry)
         self.requests = Counter(
             "lockgate_requests", "HTTP requests to the API by outcome and error type.",
@@ -98,3 +109,7 @@ class _EngineMetrics(EngineObserver):
 
     def preempted(self) -> None:
         self.metrics.preemptions.labels(self.model).inc()
+
+    def prefix_lookup(self, tokens: int, found: int) -> None:
+        self.metrics.prefix_queries.labels(self.model).inc()
+        self.metrics.prefix_hits.labels(self.model).inc(found)

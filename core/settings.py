@@ -148,6 +148,9 @@ SETTINGS: tuple[Setting, ...] = (
             default_text="the prefill chunk size"),
     Setting("max_queue", int, 256, "waiting requests before new ones get 429"),
     Setting("max_n", int, 8, "largest `n` a request may ask for"),
+    Setting("prefix_cache", bool, True,
+            "keep finished sequences' KV pages, indexed by their tokens, for requests that share a prefix "
+            "(evicted least recently used when pages are short); `--no-prefix-cache` turns it off"),
     Setting("num_threads", int, None, "CPU threads for the executor", default_text="all cores"),
     Setting("cache_dir", Path, None, "where compiled models are cached",
             default_text="`~/.cache/lockgate`", metavar="DIR"),

@@ -128,11 +128,12 @@ def _require_encodable(text: str, path: str, *, key: bool = False) -> None:
 # ------------------------------------------------------------------ plain data as OpenAI JSON
 
 
-def usage_body(usage: Usage) -> dict[str, int]:
+def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 

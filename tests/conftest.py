@@ -7,11 +7,13 @@ import asyncio
 import inspect
 import os
 import pathlib
+import threading
 import time
 
 import openai
 import pytest
 
+from lockgate import hookimpl
 from lockgate.engine import EngineOptions
 from lockgate.models.executor import ExecutorOptions
 from lockgate.logging import configure_logging
@@ -172,3 +174,73 @@ def sample_one(logits, params, rng, prompt_ids=(), output_ids=()) -> int:
 
     tokens, _ = sample_batch(logits[None, :], [SamplingRow(params, rng, prompt_ids, output_ids)])
     return int(tokens[0])
+
+
+class InstrumentedExecutor:
+    """Test double: the real executor, recording how many tokens of which
+    sequence every forward pass carries, by engine step; decodes can be held
+    or slowed down."""
+
+    def __init__(self, real):
+        self.real = real
+        #: per engine step, its forward passes: ("decode" | "prefill", {seq_id: tokens})
+        self.steps: list[list[tuple[str, dict[int, int]]]] = []
+        #: forward passes made outside an engine step (there should be none)
+        self.outside_steps: list[tuple[str, dict[int, int]]] = []
+        self.in_step = False
+        #: decodes wait while this is clear
+        self.decodes_allowed = threading.Event()
+        self.decodes_allowed.set()
+        #: every decode takes at least this long
+        self.decode_seconds = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def _record(self, kind, rows):
+        (self.steps[-1] if self.in_step else self.outside_steps).append((kind, rows))
+
+    def prefill(self, seq_ids, token_ids):
+        self._record("prefill", {s: len(t) for s, t in zip(seq_ids, token_ids)})
+        return self.real.prefill(seq_ids, token_ids)
+
+    def decode(self, seq_ids, token_ids):
+        self._record("decode", {s: 1 for s in seq_ids})
+        if not self.decodes_allowed.wait(120):
+            raise RuntimeError("decodes were held for 120 s")
+        time.sleep(self.decode_seconds)
+        return self.real.decode(seq_ids, token_ids)
+
+
+class InstrumentedExecutors:
+    """Plugin: the `tvm` executor wrapped in an `InstrumentedExecutor`."""
+
+    @hookimpl
+    def lockgate_register_executors(self, register):
+        from lockgate.plugins.tvm import create_executor
+
+        register("instrumented", lambda model_file, options: InstrumentedExecutor(create_executor(model_file, options)))
+
+
+@pytest.fixture
+def load_instrumented(load_tiny, monkeypatch):
+    """`load_instrumented(**engine_options)`: a tiny model whose executor is an
+    `InstrumentedExecutor` that knows where each engine step begins and ends."""
+
+    def load(**engine_options):
+        pm = get_plugin_manager(autoload=False, plugins=[InstrumentedExecutors()])
+        model = load_tiny(pm=pm, executor="instrumented", **engine_options)
+        executor, real_step = model.executor, model.engine.step
+
+        def step():
+            executor.steps.append([])
+            executor.in_step = True
+            try:
+                real_step()
+            finally:
+                executor.in_step = False
+
+        monkeypatch.setattr(model.engine, "step", step)
+        return model
+
+    return load

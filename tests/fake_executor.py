@@ -76,19 +76,20 @@ class FakeExecutor(Executor):
             self._drop_page(page)
         del self.tokens[seq_id]
 
-    def fork_sequence(self, parent_id: int, child_id: int) -> None:
+    def fork_sequence(self, parent_id: int, child_id: int, position: int | None = None) -> None:
         if child_id in self.tokens:
             raise ValueError(f"sequence {child_id} exists")
-        pages = list(self.pages[parent_id])
-        if len(self.tokens[parent_id]) % self.page_size:
-            pages[-1] = self._take_page()  # the partly filled page is copied
-            shared = pages[:-1]
-        else:
-            shared = pages
+        held = len(self.tokens[parent_id])
+        position = held if position is None else position
+        if not 0 < position <= held:
+            raise ValueError(f"cannot fork {parent_id} at {position}: it holds {held} tokens")
+        full, partial = divmod(position, self.page_size)
+        shared = self.pages[parent_id][:full]
         for page in shared:
             self._refs[page] += 1
-        self.tokens[child_id] = list(self.tokens[parent_id])
-        self.pages[child_id] = pages
+        # the partly filled page at the fork position is copied
+        self.pages[child_id] = shared + ([self._take_page()] if partial else [])
+        self.tokens[child_id] = self.tokens[parent_id][:position]
 
     def _append(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray:
         tokens = self.tokens[seq_id]

@@ -33,8 +33,13 @@ def request_state(tokenizer, prompt, *, n=1, max_tokens=4, request_id="r") -> Re
     return RequestState(handle, tokenizer)
 
 
-def scheduler_for(executor: FakeExecutor, *, budget: int | None = None, max_queue: int = 16) -> Scheduler:
-    return Scheduler(executor, step_token_budget=budget or executor.prefill_chunk_size, max_queue=max_queue)
+def scheduler_for(
+    executor: FakeExecutor, *, budget: int | None = None, max_queue: int = 16, prefix_cache: bool = False
+) -> Scheduler:
+    return Scheduler(
+        executor, step_token_budget=budget or executor.prefill_chunk_size, max_queue=max_queue,
+        prefix_cache=prefix_cache,
+    )
 
 
 def apply(executor: FakeExecutor, scheduler: Scheduler, batch) -> None:
@@ -45,12 +50,12 @@ def apply(executor: FakeExecutor, scheduler: Scheduler, batch) -> None:
     if batch.decode:
         logits = executor.decode([c.seq_id for c in batch.decode], [c.pending()[0] for c in batch.decode])
         for row, choice in enumerate(batch.decode):
-            choice.kv_len += 1
+            scheduler.advance(choice, 1)
             ready.append((choice, logits[row]))
     if batch.prefill:
         logits = executor.prefill([c.seq_id for c, _ in batch.prefill], [t for _, t in batch.prefill])
         for row, (choice, tokens) in enumerate(batch.prefill):
-            choice.kv_len += len(tokens)
+            scheduler.advance(choice, len(tokens))
             if not choice.pending():
                 ready.append((choice, logits[row]))
     for choice, row in ready:
@@ -179,10 +184,11 @@ def test_removing_a_request_returns_every_page(tokenizer):
 # ------------------------------------------------------------------ the engine loop, driven by hand
 
 
-def engine_on(executor: FakeExecutor, tokenizer, **options) -> Engine:
+def engine_on(executor: FakeExecutor, tokenizer, *, prefix_cache: bool = False, **options) -> Engine:
     return Engine(
         executor, tokenizer, eos_token_ids=[tokenizer.eos_token_id],
-        context_length=executor.max_sequence_length, options=EngineOptions(**options),
+        context_length=executor.max_sequence_length,
+        options=EngineOptions(prefix_cache=prefix_cache, **options),
     )
 
 
@@ -194,9 +200,10 @@ def run_to_completion(engine: Engine, limit: int = 10_000) -> None:
         assert steps < limit, "the engine made no progress"
 
 
-def test_the_engine_retires_every_request_through_one_path(tokenizer):
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_the_engine_retires_every_request_through_one_path(tokenizer, prefix_cache):
     executor = FakeExecutor(total_pages=8, page_size=4, prefill_chunk_size=8)
-    engine = engine_on(executor, tokenizer)
+    engine = engine_on(executor, tokenizer, prefix_cache=prefix_cache)
     finished = []
     engine.observer.request_finished = lambda **kw: finished.append(kw["outcome"])
     handles = [
@@ -207,47 +214,72 @@ def test_the_engine_retires_every_request_through_one_path(tokenizer):
     engine.abort(handles[3])
     run_to_completion(engine)
     assert sorted(finished) == ["aborted", "success", "success", "success"]
+    # what is not free is held by the prefix cache alone, and can be emptied
+    assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages
+    engine.scheduler.remove_all()
     assert executor.free_pages() == executor.total_pages and not executor.tokens
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+TOKENS = st.integers(3, VOCAB - 1)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
+    prefixes=st.lists(st.lists(TOKENS, max_size=30), min_size=3, max_size=3),
     requests=st.lists(
         st.tuples(
-            st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=40),  # prompt
+            st.integers(0, 2),  # which shared prefix its prompt starts with
+            st.lists(TOKENS, min_size=1, max_size=12),  # the rest of its prompt
+            st.one_of(st.none(), st.integers(0, 7)),  # the earlier request it follows up
             st.integers(1, 3),  # n
             st.integers(1, 12),  # max_tokens
-            st.integers(0, 3),  # steps before it arrives
+            st.integers(0, 6),  # steps before it arrives
         ),
         min_size=1,
         max_size=8,
     ),
     total_pages=st.integers(14, 40),
     budget=st.integers(1, 24),
+    prefix_cache=st.booleans(),
 )
-def test_any_schedule_generates_exactly_what_each_request_would_alone(tokenizer, requests, total_pages, budget):
+def test_any_schedule_generates_exactly_what_each_request_would_alone(
+    tokenizer, prefixes, requests, total_pages, budget, prefix_cache
+):
     """Whatever arrives when, however small the step budget and the cache,
-    with preemptions and forks: each choice's tokens are those greedy
-    decoding of its prompt gives on its own, and every page comes back."""
+    with preemptions, forks and prefix-cache hits (prompts share prefixes; a
+    follow-up resends an earlier prompt and its answer, as a chat turn
+    does): each choice's tokens are those greedy decoding of its prompt
+    gives on its own, the scheduler's page book agrees with the executor
+    after every step, and every page comes back (the cached ones once the
+    cache is emptied)."""
     executor = FakeExecutor(
         vocab_size=VOCAB, page_size=4, total_pages=total_pages, max_num_seqs=4,
         prefill_chunk_size=16, max_sequence_length=64,
     )
-    engine = engine_on(executor, tokenizer, max_num_batched_tokens=budget, max_n=3)
+    engine = engine_on(executor, tokenizer, prefix_cache=prefix_cache, max_num_batched_tokens=budget, max_n=3)
+    prompts: dict[int, list[int]] = {}
+    for i, (prefix, rest, follows, _, max_tokens, _) in enumerate(requests):
+        if follows is not None and follows < i:
+            earlier = prompts[follows]
+            prompts[i] = earlier + expected_greedy(executor, earlier, requests[follows][4]) + rest
+        else:
+            prompts[i] = prefixes[prefix] + rest
     added = []
-    pending = sorted(enumerate(requests), key=lambda item: item[1][3])
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][5])
     step = 0
     while pending or engine.scheduler.has_work:
-        while pending and pending[0][1][3] <= step:
-            i, (prompt, n, max_tokens, _) = pending.pop(0)
+        while pending and requests[pending[0]][5] <= step:
+            i = pending.pop(0)
+            prompt, n, max_tokens = prompts[i][:60], requests[i][3], requests[i][4]
             params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, temperature=0)
             try:
                 engine.add(Work(str(i), prompt, params))
-            except Exception as exc:  # too big for this cache even alone: refused up front
-                assert "KV pages" in str(exc)
+            except Exception as exc:  # too big for this cache or context even alone: refused up front
+                assert "KV pages" in str(exc) or "context length" in str(exc)
                 continue
             added.append((engine.scheduler.waiting[-1], prompt, n, max_tokens))
         engine.step()
+        assert engine.scheduler.book.free == executor.free_pages()
         step += 1
         assert step < 5_000
     for state, prompt, n, max_tokens in added:
@@ -255,4 +287,116 @@ def test_any_schedule_generates_exactly_what_each_request_would_alone(tokenizer,
         want = expected_greedy(executor, prompt, max_tokens)
         for choice in state.choices:
             assert choice.output_ids == want
+        assert state.handle.usage.cached_tokens <= len(prompt) - 1
+        if not prefix_cache:
+            assert state.handle.usage.cached_tokens == 0
+    assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages
+    engine.scheduler.remove_all()
     assert executor.free_pages() == executor.total_pages and not executor.tokens
+
+
+# ------------------------------------------------------------------ the prefix cache
+
+
+def prefilled(executor: FakeExecutor, since: int) -> int:
+    """Prompt tokens the executor prefilled in its calls from `since` on."""
+    return sum(sum(rows.values()) for kind, rows in executor.calls[since:] if kind == "prefill")
+
+
+def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, temperature=0)
+
+
+def test_a_shared_prefix_is_forked_not_prefilled_even_mid_page(tokenizer):
+    executor = FakeExecutor(page_size=4, total_pages=64, prefill_chunk_size=16)
+    engine = engine_on(executor, tokenizer, prefix_cache=True)
+    first = list(range(10, 30))  # 20 tokens
+    handle = engine.add(Work("a", first, greedy(4)))
+    run_to_completion(engine)
+    assert handle.usage.cached_tokens == 0
+    answer = expected_greedy(executor, first, 4)
+
+    # 18 tokens in common: 4 full pages shared, the fifth copied
+    calls = len(executor.calls)
+    shared = engine.add(Work("b", first[:18] + [200, 201], greedy(3)))
+    run_to_completion(engine)
+    assert shared.usage.cached_tokens == 18
+    assert prefilled(executor, calls) == 2
+
+    # the next turn of a chat: the whole first prompt and its answer are in
+    # the cache (but the answer's last token, which never went in)
+    calls = len(executor.calls)
+    turn = first + answer + [202, 203, 204]
+    follow_up = engine.add(Work("c", turn, greedy(3)))
+    state = engine.scheduler.waiting[-1]
+    run_to_completion(engine)
+    assert follow_up.usage.cached_tokens == len(first) + len(answer) - 1
+    assert prefilled(executor, calls) == 4
+    assert state.choices[0].output_ids == expected_greedy(executor, turn, 3)
+    assert engine.scheduler.book.free == executor.free_pages()
+
+
+def test_without_the_cache_everything_is_prefilled(tokenizer):
+    executor = FakeExecutor(page_size=4, total_pages=64, prefill_chunk_size=16)
+    engine = engine_on(executor, tokenizer, prefix_cache=False)
+    first = list(range(10, 30))
+    engine.add(Work("a", first, greedy(4)))
+    run_to_completion(engine)
+    calls = len(executor.calls)
+    again = engine.add(Work("b", first, greedy(3)))
+    run_to_completion(engine)
+    assert again.usage.cached_tokens == 0 and prefilled(executor, calls) == 20
+    assert executor.free_pages() == executor.total_pages
+
+
+def test_a_full_cache_is_evicted_before_anything_waits_or_is_preempted(tokenizer):
+    """A stream of distinct long prompts through a small cache: the oldest
+    cached sequences make room, nothing fails or is preempted, and the cache
+    never holds more pages than the pool has."""
+    executor = FakeExecutor(page_size=4, total_pages=20, prefill_chunk_size=16, max_sequence_length=64)
+    engine = engine_on(executor, tokenizer, prefix_cache=True)
+    finished = []
+    engine.observer.request_finished = lambda **kw: finished.append(kw["outcome"])
+    for i in range(30):
+        prompt = [3 + (i * 7 + j) % (VOCAB - 3) for j in range(40)]
+        engine.add(Work(str(i), prompt, greedy(8)))
+        run_to_completion(engine)
+        assert engine.scheduler.cached_pages <= executor.total_pages - executor.free_pages()
+        assert engine.scheduler.book.free == executor.free_pages()
+    assert finished == ["success"] * 30
+    assert engine.preemptions == 0
+    assert 0 < len(engine.scheduler.cache) <= 2  # 12 pages each, of 20
+    assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages
+
+
+def test_the_least_recently_used_prefix_is_evicted_first(tokenizer):
+    executor = FakeExecutor(page_size=4, total_pages=16, prefill_chunk_size=16, max_sequence_length=64)
+    engine = engine_on(executor, tokenizer, prefix_cache=True)
+    a, b = [5] * 16, [6] * 16
+    for prompt in (a, b):
+        engine.add(Work("x", prompt, greedy(1)))
+        run_to_completion(engine)
+    engine.add(Work("a again", a + [7], greedy(1)))  # a is now the more recently used
+    run_to_completion(engine)
+    engine.add(Work("big", [8] * 30, greedy(1)))  # needs pages: one cached sequence goes
+    run_to_completion(engine)
+    survivors = [entry.tokens[:16].tolist() for entry in engine.scheduler.cache.entries.values()]
+    assert a in survivors and b not in survivors
+
+
+def test_forks_aborts_and_preemptions_with_cached_prefixes_leak_no_page(tokenizer):
+    executor = FakeExecutor(page_size=4, total_pages=17, prefill_chunk_size=16, max_num_seqs=6)
+    engine = engine_on(executor, tokenizer, prefix_cache=True, max_n=3)
+    system = list(range(40, 60))
+    engine.add(Work("warm", system + [1], greedy(2)))
+    run_to_completion(engine)
+    handles = [engine.add(Work(str(i), system + [i + 3], greedy(10, n=3))) for i in range(3)]
+    engine.step()
+    engine.abort(handles[1])
+    run_to_completion(engine)
+    assert all(h.usage.cached_tokens == len(system) for h in handles)
+    assert engine.preemptions > 0  # two requests' 6 choices outgrow 17 pages
+    assert engine.scheduler.book.free == executor.free_pages()
+    assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages
+    engine.scheduler.remove_all()
+    assert executor.free_pages() == executor.total_pages

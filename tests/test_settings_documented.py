@@ -38,7 +38,7 @@ def sample(setting: Setting) -> tuple[str, object]:
     if setting.is_list:
         return "a, b", ("a", "b")
     if setting.is_bool:
-        return "true", not setting.default
+        return ("false", False) if setting.default else ("true", True)
     if setting.choices:
         raw = next(choice for choice in setting.choices if choice != setting.default)
         return raw, raw
@@ -61,7 +61,10 @@ def test_every_variable_parses_to_the_type(setting):
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
 def test_every_flag_parses_to_the_type(setting):
     raw, value = sample(setting)
-    argv = [setting.flag] if setting.is_bool else [setting.flag, raw]
+    if setting.is_bool:  # the on/off flag that changes the default
+        argv = ["--no-" + setting.flag.removeprefix("--")] if setting.default else [setting.flag]
+    else:
+        argv = [setting.flag, raw]
     parsed = getattr(settings_from_args(serve_parser().parse_args(argv)), setting.name)
     assert parsed == value and type(parsed) is type(value)
 

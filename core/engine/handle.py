@@ -34,13 +34,19 @@ class Usage:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: prompt tokens whose KV came from the prefix cache, not a prefill
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
     def __add__(self, other: "Usage") -> "Usage":
-        return Usage(self.prompt_tokens + other.prompt_tokens, self.completion_tokens + other.completion_tokens)
+        return Usage(
+            self.prompt_tokens + other.prompt_tokens,
+            self.completion_tokens + other.completion_tokens,
+            self.cached_tokens + other.cached_tokens,
+        )
 
 
 #: put on a handle's queue after its last delta
@@ -101,3 +107,7 @@ class EngineObserver:
 
     def preempted(self) -> None:
         pass
+
+    def prefix_lookup(self, tokens: int, found: int) -> None:
+        """A sequence looked for `tokens` tokens in the prefix cache and
+        found the first `found` of them."""

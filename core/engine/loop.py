@@ -80,6 +80,8 @@ class Engine:
             max_queue=options.max_queue,
             retry_after=options.retry_after,
             on_preempt=lambda: self.observer.preempted(),
+            prefix_cache=options.prefix_cache,
+            on_prefix_lookup=lambda tokens, found: self.observer.prefix_lookup(tokens, found),
         )
         self.stop_checker = StopChecker(eos_token_ids)
         # re-entrant: a request may be retired while the lock is already held
@@ -94,6 +96,7 @@ class Engine:
         # read by other threads (health, metrics) instead of asking the
         # executor, which only the engine thread may touch
         self._kv_free_pages = executor.free_pages()
+        self._kv_cached_pages = 0
 
     @property
     def max_n(self) -> int:
@@ -159,7 +162,10 @@ class Engine:
                 "requests_running": len(self.scheduler.running),
                 "requests_waiting": len(self.scheduler.waiting),
                 "kv_pages_total": self.executor.total_pages,
-                "kv_pages_used": self.executor.total_pages - self._kv_free_pages,
+                # pages only the prefix cache holds are not "used": evicting
+                # them is free whenever a request needs the room
+                "kv_pages_used": self.executor.total_pages - self._kv_free_pages - self._kv_cached_pages,
+                "kv_pages_cached": self._kv_cached_pages,
             }
 
     # ----------------------------------------------------------- admission
@@ -263,7 +269,7 @@ class Engine:
             self._run_decode(batch.decode, events)
         if batch.prefill:
             self._run_prefill(batch.prefill, events)
-        self._kv_free_pages = self.executor.free_pages()
+        self._note_pages()
         self._deliver(events)
 
     def _process_aborts(self) -> None:
@@ -283,7 +289,7 @@ class Engine:
             return
         self._consecutive_failures = 0
         for choice in choices:
-            choice.kv_len += 1
+            self.scheduler.advance(choice, 1)
         # a one-token prompt goes in as a decode row: it may be the one to fork
         ready, rows = self._forked_when_prompt_is_in(list(enumerate(choices)), events)
         if ready:
@@ -298,7 +304,7 @@ class Engine:
         self._consecutive_failures = 0
         done: list[tuple[int, Choice]] = []
         for row, (choice, tokens) in enumerate(chunks):
-            choice.kv_len += len(tokens)
+            self.scheduler.advance(choice, len(tokens))
             if not choice.pending():  # else more of the prompt is to come
                 done.append((row, choice))
         ready, rows = self._forked_when_prompt_is_in(done, events)
@@ -421,8 +427,14 @@ class Engine:
         with self._cond:
             for state in [*self.scheduler.waiting, *self.scheduler.running]:
                 self._retire(state, ERROR, error, events)
-            self._kv_free_pages = self.executor.free_pages()
+            self._note_pages()
         self._deliver(events)
+
+    def _note_pages(self) -> None:
+        """Page counts for other threads (health, metrics), which may not ask
+        the executor: only the engine thread touches it."""
+        self._kv_free_pages = self.executor.free_pages()
+        self._kv_cached_pages = self.scheduler.cached_pages
 
     # ----------------------------------------------------------- failures
 

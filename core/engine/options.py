@@ -18,5 +18,7 @@ class EngineOptions:
     #: tokens one step may process (decode tokens plus prefill chunks);
     #: None: the executor's prefill chunk size
     max_num_batched_tokens: int | None = setting_default("max_num_batched_tokens")
+    #: keep finished sequences' KV for later requests with the same prefix
+    prefix_cache: bool = setting_default("prefix_cache")
     #: seconds a client is told to wait on 429 / 503
     retry_after: int = 1

@@ -9,11 +9,21 @@ the most recently admitted request is preempted: its pages are freed and it
 goes back to the head of the queue, to be recomputed (prompt plus what it had
 generated) when pages are free again. Its output is unaffected.
 
+With the prefix cache on, a choice's sequence is not removed when it
+finishes: it stays in the KV cache, indexed by its tokens, and a sequence
+admitted later forks from the longest prefix of its own tokens that a cached
+or running sequence holds, and prefills only the rest. Cached sequences are
+evicted, least recently used first, whenever pages are short: before a
+request waits for admission, before a running one is preempted, before a
+fork lacks the page it copies. A full cache therefore never holds back a
+request that would have run without it.
+
 The scheduler is the only code that creates, forks and removes KV sequences,
-so page accounting has one home. It touches the executor only through that
-part of its interface (`add_sequence`, `fork_sequence`, `remove_sequence`,
-`free_pages` and the sizes), and it is not thread-safe: the engine calls it
-under its lock.
+and every token that enters the KV cache is counted through `advance`, so
+page accounting has one home (`PageBook`). It touches the executor only
+through that part of its interface (`add_sequence`, `fork_sequence`,
+`remove_sequence`, `free_pages` and the sizes), and it is not thread-safe:
+the engine calls it under its lock.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from collections.abc import Callable
 
 import structlog
 
+from lockgate.engine.prefix_cache import PageBook, PrefixCache, PrefixMatch
 from lockgate.engine.state import Choice, RequestState
 from lockgate.errors import Overloaded
 
@@ -51,6 +62,9 @@ class Scheduler:
         prefill chunks together.
     :param max_queue: requests that may wait for admission.
     :param on_preempt: called on each preemption (for metrics).
+    :param prefix_cache: keep finished sequences' KV for later requests to fork from.
+    :param on_prefix_lookup: called with (tokens looked up, tokens found) on
+        each prefix-cache lookup (for metrics).
     """
 
     def __init__(
@@ -61,9 +75,14 @@ class Scheduler:
         max_queue: int,
         retry_after: int = 1,
         on_preempt: Callable[[], None] = lambda: None,
+        prefix_cache: bool = True,
+        on_prefix_lookup: Callable[[int, int], None] = lambda tokens, found: None,
     ) -> None:
         self.kv = kv
         self.on_preempt = on_preempt
+        self.on_prefix_lookup = on_prefix_lookup
+        self.book = PageBook(kv.page_size, kv.total_pages)
+        self.cache = PrefixCache() if prefix_cache else None
         self.step_token_budget = step_token_budget
         self.max_queue = max_queue
         self.retry_after = retry_after
@@ -98,7 +117,8 @@ class Scheduler:
         self.waiting.append(state)
 
     def admit(self) -> None:
-        """FCFS admission while sequence slots and pages for the next prompt chunk last."""
+        """FCFS admission while sequence slots and pages for the next prompt
+        chunk last (evicting cached sequences for those pages if need be)."""
         slots = sum(s.slots for s in self.running)
         free = self.kv.free_pages() - slots  # one page of headroom per running sequence
         while self.waiting:
@@ -107,15 +127,49 @@ class Scheduler:
                 break
             first_chunk = min(len(state.prompt_ids), self.step_token_budget)
             need = self.pages(first_chunk) * (len(state.live_choices) if state.forked else 1)
+            while need > free and (freed := self._evict_one()) is not None:
+                free += freed
             if need > free and self.running:
                 break
             self.waiting.popleft()
             for choice in state.live_choices:
-                choice.seq_id = next(self._seq_ids)
-                self.kv.add_sequence(choice.seq_id)
+                self._place(choice)
             self.running.append(state)
             slots += state.slots
             free -= need
+
+    def _place(self, choice: Choice) -> None:
+        """Give an admitted choice its KV sequence: forked from the longest
+        prefix of its tokens the KV cache holds, else empty."""
+        tokens = choice.tokens()
+        match = self._longest_prefix(tokens)
+        choice.seq_id = next(self._seq_ids)
+        if match is None:
+            self.kv.add_sequence(choice.seq_id)
+            self.book.add(choice.seq_id)
+            choice.kv_len = 0
+        else:
+            self.kv.fork_sequence(match.seq_id, choice.seq_id, match.length)
+            self.book.fork(match.seq_id, choice.seq_id, match.length)
+            choice.kv_len = match.length
+        state = choice.request
+        if choice.index == 0 and state.preemptions == 0:
+            state.handle.usage.cached_tokens = choice.kv_len
+
+    def _longest_prefix(self, tokens: list[int]) -> PrefixMatch | None:
+        if self.cache is None:
+            return None
+        # at least the last token is computed: its logits are what comes next
+        running = (
+            (state.choices[0].seq_id, state.prompt_array[: state.choices[0].kv_len])
+            for state in self.running
+            if state.choices[0].seq_id >= 0
+        )
+        match = self.cache.longest_prefix(tokens, len(tokens) - 1, running)
+        self.on_prefix_lookup(len(tokens), 0 if match is None else match.length)
+        if match is not None and match.length % self.kv.page_size and not self._ensure_free(1, keep=match.seq_id):
+            return None  # no page for the fork's copy of the partly filled page
+        return match
 
     # ------------------------------------------------------------ planning
 
@@ -150,13 +204,19 @@ class Scheduler:
                     chunk_room -= take
             if pages <= self.kv.free_pages() or not self.running:
                 return Batch(decode, prefill)
-            self.preempt(self.running[-1])
+            if self._evict_one() is None:
+                self.preempt(self.running[-1])
 
     def preempt(self, state: RequestState) -> None:
-        """Free a request's KV and queue it first, to be recomputed later."""
+        """Give up a request's KV and queue it first, to be recomputed later.
+
+        With the prefix cache on, its sequences go to the cache as the most
+        recently used: older cached sequences are evicted first, and what
+        survives of its own comes back as a prefix when it is readmitted.
+        """
         self.running.remove(state)
-        self._free(state.choices)
         for choice in state.choices:
+            self._keep_or_free(choice)
             choice.kv_len = 0
         state.preemptions += 1
         self.preemptions += 1
@@ -166,20 +226,41 @@ class Scheduler:
 
     # ------------------------------------------------------------ sequences
 
+    def advance(self, choice: Choice, tokens: int) -> None:
+        """`tokens` more of the choice's tokens are in the KV cache."""
+        choice.kv_len += tokens
+        self.book.grow(choice.seq_id, choice.kv_len)
+
     def fork(self, state: RequestState) -> None:
         """The prompt is in: add the request's other choices, sharing its KV."""
         parent = state.choices[0]
         for child in state.new_choices():
+            if parent.kv_len % self.kv.page_size:
+                self._ensure_free(1)  # the child copies the partly filled last page
             child.seq_id = next(self._seq_ids)
             self.kv.fork_sequence(parent.seq_id, child.seq_id)
+            self.book.fork(parent.seq_id, child.seq_id, parent.kv_len)
             child.kv_len = parent.kv_len
             state.choices.append(child)
         state.forked = True
 
     def finish_choice(self, choice: Choice) -> None:
-        """A choice is done: its pages go back to the pool."""
+        """A choice is done: its sequence goes to the prefix cache, or its
+        pages back to the pool."""
         choice.finished = True
-        self._free([choice])
+        self._keep_or_free(choice)
+
+    def _keep_or_free(self, choice: Choice) -> None:
+        """Hand a choice's sequence to the prefix cache (when on, and the
+        sequence fills a page at least), else remove it."""
+        if choice.seq_id < 0:
+            return
+        if self.cache is None or choice.kv_len < self.kv.page_size:
+            self._free([choice])
+            return
+        for redundant in self.cache.insert(choice.seq_id, choice.tokens()[: choice.kv_len]):
+            self._remove_sequence(redundant)
+        choice.seq_id = -1  # the cache holds it now
 
     def remove(self, state: RequestState) -> None:
         """Take a request out of the queues and free every page it holds."""
@@ -190,18 +271,48 @@ class Scheduler:
         self._free(state.choices)
 
     def remove_all(self) -> list[RequestState]:
-        """Take every request out (shutdown, an unhealthy engine) and free its pages."""
+        """Take every request out (shutdown, an unhealthy engine), empty the
+        prefix cache, and free every page."""
         states = [*self.waiting, *self.running]
         for state in states:
             self.remove(state)
+        for seq_id in self.cache.clear() if self.cache is not None else ():
+            self._remove_sequence(seq_id)
         return states
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages only cached sequences hold (what evicting them all would free)."""
+        return 0 if self.cache is None else self.book.pages_held_only_by(self.cache.entries)
+
+    # ------------------------------------------------------------ freeing pages
+
+    def _ensure_free(self, pages: int, *, keep: int | None = None) -> bool:
+        """Evict cached sequences (but `keep`) until `pages` are free; whether they are."""
+        while self.kv.free_pages() < pages:
+            if self._evict_one(keep=keep) is None:
+                return False
+        return True
+
+    def _evict_one(self, *, keep: int | None = None) -> int | None:
+        """Evict the least recently used cached sequence (but `keep`): the
+        pages that freed (none, where running sequences share them all), or
+        None when there is nothing to evict."""
+        seq_id = None if self.cache is None else self.cache.least_recently_used(keep=keep)
+        if seq_id is None:
+            return None
+        self.cache.discard(seq_id)
+        return self._remove_sequence(seq_id)
+
+    def _remove_sequence(self, seq_id: int) -> int:
+        try:
+            self.kv.remove_sequence(seq_id)
+        except Exception:
+            log.exception("removing a sequence failed", seq_id=seq_id)
+        return self.book.remove(seq_id)
 
     def _free(self, choices: list[Choice]) -> None:
         for choice in choices:
-            if choice.seq_id < 0:
-                continue
-            try:
-                self.kv.remove_sequence(choice.seq_id)
-            except Exception:
-                log.exception("removing a sequence failed", seq_id=choice.seq_id)
-            choice.seq_id = -1
+            if choice.seq_id >= 0:
+                self._remove_sequence(choice.seq_id)
+                choice.seq_id = -1

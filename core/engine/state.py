@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from lockgate.engine.detokenizer import IncrementalDetokenizer
 from lockgate.engine.sampling import make_generator
 
@@ -31,6 +33,10 @@ class Choice:
         self.matcher = None if params.grammar is None else params.grammar.matcher()
         self.finished = False
 
+    def tokens(self) -> list[int]:
+        """Prompt and output so far: what the choice's KV sequence is to hold."""
+        return [*self.request.prompt_ids, *self.output_ids]
+
     def pending(self) -> list[int]:
         """Tokens not yet in the KV cache: the prompt's rest, or the last sampled token."""
         prompt = self.request.prompt_ids
@@ -52,6 +58,8 @@ class RequestState:
         self.request_id = handle.work.request_id
         self.params = handle.work.params
         self.prompt_ids = handle.work.prompt_token_ids
+        #: the prompt as an array, for prefix matching
+        self.prompt_array = np.asarray(self.prompt_ids, dtype=np.int64)
         self.max_tokens = handle.max_tokens
         self.tokenizer = tokenizer
         self.choices: list[Choice] = [Choice(self, 0, tokenizer)]

@@ -84,8 +84,11 @@ class Executor(abc.ABC):
         """Drop a sequence and return its KV pages to the pool."""
 
     @abc.abstractmethod
-    def fork_sequence(self, parent_id: int, child_id: int) -> None:
-        """Create `child_id` sharing all of `parent_id`'s KV so far."""
+    def fork_sequence(self, parent_id: int, child_id: int, position: int | None = None) -> None:
+        """Create `child_id` holding the first `position` tokens of
+        `parent_id`'s KV (all of them when None), sharing its full pages;
+        a partly filled page at `position` is copied, so it needs one free
+        page."""
 
     @abc.abstractmethod
     def prefill(

@@ -164,20 +164,24 @@ class TVMExecutor(Executor):
         self._remove_seq(self._kv, seq_id)
         del self._lengths[seq_id]
 
-    def fork_sequence(self, parent_id: int, child_id: int) -> None:
+    def fork_sequence(self, parent_id: int, child_id: int, position: int | None = None) -> None:
         self._check_open()
         parent_id = self._known(parent_id)
         child_id = self._as_id(child_id)
         if child_id in self._lengths:
             raise ValueError(f"sequence {child_id} already exists")
-        if self._lengths[parent_id] == 0:
+        length = self._lengths[parent_id]
+        position = length if position is None else int(position)
+        if length == 0:
             raise ValueError(f"cannot fork sequence {parent_id}: it holds no tokens yet")
+        if not 0 < position <= length:
+            raise ValueError(f"cannot fork sequence {parent_id} at {position}: it holds {length} tokens")
         # The child shares the full pages and gets its own copy of a partly
-        # filled last page.
-        if self._lengths[parent_id] % self.page_size and self.free_pages() < 1:
-            raise ValueError(f"cannot fork sequence {parent_id}: no free KV page for its last page")
-        self._fork_seq(self._kv, parent_id, child_id, -1)
-        self._lengths[child_id] = self._lengths[parent_id]
+        # filled page at the fork position.
+        if position % self.page_size and self.free_pages() < 1:
+            raise ValueError(f"cannot fork sequence {parent_id}: no free KV page for the page at {position}")
+        self._fork_seq(self._kv, parent_id, child_id, position)
+        self._lengths[child_id] = position
 
     def free_pages(self) -> int:
         self._check_open()
