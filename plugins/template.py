@@ -10,6 +10,30 @@ from lockgate.plugin_api.hookspecs import hookimpl
 from lockgate.plugin_api.request import ChatRequest, GenerationRequest
 
 
+def renders_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders `tools` and tool calls itself."""
+    return "tools" in (chat_template or "") and "tool_calls" in (chat_template or "")
+
+
+def _tools_in_text(request: ChatRequest, messages: list[dict], fmt) -> list[dict]:
+    """For a template that knows no tools: the tools and how to call them in
+    the system message, earlier calls written as the format writes them."""
+    written = []
+    for message in messages:
+        if "tool_calls" in message:
+            calls = fmt.render_calls(request.messages[len(written)].tool_calls)
+            message = {k: v for k, v in message.items() if k != "tool_calls"}
+            message["content"] = "\n".join(filter(None, [message["content"], calls]))
+        written.append(message)
+    messages = written
+    if not request.uses_tools:
+        return messages
+    instructions = fmt.instructions(request.offered_tools)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + instructions}, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
+
+
 @hookimpl(trylast=True)
 def lockgate_render_prompt(request: GenerationRequest, model) -> str:
     if not isinstance(request, ChatRequest):
@@ -21,8 +45,15 @@ def lockgate_render_prompt(request: GenerationRequest, model) -> str:
             param="messages",
         )
     messages = [message.as_template_input() for message in request.messages]
+    extra = {}
+    fmt = model.tool_call_format
+    if renders_tools(model.tokenizer.chat_template):
+        if request.uses_tools:
+            extra["tools"] = [tool.as_openai() for tool in request.offered_tools]
+    elif fmt is not None:
+        messages = _tools_in_text(request, messages, fmt)
     try:
-        return model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     except (jinja2.TemplateSyntaxError, SecurityError):
         # the template itself is broken or tried what the sandbox forbids:
         # the operator's fault whatever the conversation, so a 500

@@ -48,13 +48,6 @@ def check_size(request: GenerationRequest) -> None:
 
 def check_unsupported(request: GenerationRequest) -> None:
     body = request.body
-    if body.get("tools") or body.get("functions"):
-        raise UnsupportedParameter("tools are not supported by this server", param="tools")
-    for i, message in enumerate(body.get("messages") or ()):
-        if message.get("tool_calls"):
-            raise UnsupportedParameter(
-                "tool calls are not supported by this server", param=f"messages[{i}].tool_calls"
-            )
     if "chat_template" in body:
         # the template is the server's (--chat-template); a client's own
         # would be code this server runs

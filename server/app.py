@@ -116,6 +116,7 @@ def load_from_settings(pm: pluggy.PluginManager, settings: Settings) -> Model:
             progress=lambda message: log.info(message, model=settings.model)
         ),
         engine_options=settings.engine_options(),
+        tool_call_format=settings.tool_call_format,
     )
 
 

@@ -36,6 +36,7 @@ from lockgate.errors import (
     UnsupportedMediaType,
 )
 from lockgate.models import Model
+from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.server.keys import ERROR_ANSWER, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS
 
 log = structlog.get_logger("lockgate.server")
@@ -222,13 +223,21 @@ class ResponseBuilder:
         finish_reasons: dict[int, str | None],
         usage: Usage,
         logprobs: dict[int, list[TokenLogprob] | None],
+        tool_calls: dict[int, list[ToolCall]] | None = None,
     ) -> dict[str, Any]:
+        """The whole response; a choice with `tool_calls` has them in its
+        message (its `content` null when it wrote no text beside them)."""
         choices = []
         for index in sorted(texts):
             if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": texts[index]}
+                calls = (tool_calls or {}).get(index)
+                if calls:
+                    message["content"] = texts[index] or None
+                    message["tool_calls"] = [call.as_openai() for call in calls]
                 choice = {
                     "index": index,
-                    "message": {"role": "assistant", "content": texts[index]},
+                    "message": message,
                     "logprobs": self.logprobs(index, logprobs.get(index)),
                     "finish_reason": finish_reasons.get(index),
                 }
@@ -283,6 +292,23 @@ class ResponseBuilder:
                 "finish_reason": delta.finish_reason,
             }
         return self._chunk([choice], include_usage)
+
+    def tool_call_chunks(self, index: int, calls: list[ToolCall], include_usage: bool) -> list[dict[str, Any]]:
+        """A choice's calls as OpenAI streams them: per call, a first chunk
+        with its index, id, type and name, then its arguments."""
+        chunks = []
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            tail = {"index": i, "function": {"arguments": call.arguments}}
+            for part in (head, tail):
+                chunks.append(self._chunk(
+                    [{"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}],
+                    include_usage,
+                ))
+        return chunks
+
+    def finish_chunk(self, index: int, reason: str, include_usage: bool) -> dict[str, Any]:
+        return self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}], include_usage)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The last chunk when `stream_options.include_usage`: no choices, the usage."""

@@ -9,6 +9,7 @@ error middleware, every OpenAI shape in `lockgate.server.protocol`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -19,7 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lockgate.engine import RequestHandle, Usage
 from lockgate.errors import ModelNotFound, Unavailable
 from lockgate.plugin_api.pipeline import run_pipeline
-from lockgate.plugin_api.request import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, GenerationRequest, parse_request
+from lockgate.plugin_api.request import (
+    CHAT_ENDPOINT,
+    COMPLETIONS_ENDPOINT,
+    ChatRequest,
+    GenerationRequest,
+    parse_request,
+)
 from lockgate.server.keys import METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS, USAGE
 from lockgate.server.middlewares import require_api_key
 from lockgate.server.protocol import ResponseBuilder, error_body, error_response, model_card, read_json_body
@@ -145,10 +152,12 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     builder = ResponseBuilder(
         chat=typed.is_chat, request_id=typed.id, model=model.name, token_bytes=model.token_bytes
     )
+    # the model's tool calls are read out of its text here
+    tool_format = model.tool_call_format if isinstance(typed, ChatRequest) and typed.uses_tools else None
     try:
         if typed.stream:
-            return await _stream(request, typed, handles, builder)
-        return await _collect(request, typed, handles, builder)
+            return await _stream(request, typed, handles, builder, tool_format)
+        return await _collect(request, typed, handles, builder, tool_format)
     except ConnectionResetError:
         log.info("client disconnected while waiting for its completion")
         return web.Response(status=499)  # nginx's "client closed request", for the log
@@ -158,7 +167,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             handle.abort()
 
 
-async def _collect(request, typed: GenerationRequest, handles, builder: ResponseBuilder) -> web.Response:
+async def _collect(request, typed: GenerationRequest, handles, builder: ResponseBuilder, tool_format) -> web.Response:
     with_logprobs = typed.requested_logprobs() is not None
     texts: dict[int, list[str]] = {}
     finish_reasons: dict[int, str | None] = {}
@@ -174,10 +183,19 @@ async def _collect(request, typed: GenerationRequest, handles, builder: Response
         if delta.finish_reason is not None:
             finish_reasons[index] = delta.finish_reason
     joined = {index: "".join(parts) for index, parts in texts.items()}
-    return web.json_response(builder.completion(joined, finish_reasons, _usage(handles), logprobs))
+    calls: dict[int, list] = {}
+    if tool_format is not None:
+        for index, text in joined.items():
+            parsed = tool_format.parse(text)
+            joined[index], calls[index] = parsed.content or "", parsed.calls
+            if parsed.calls:
+                finish_reasons[index] = "tool_calls"
+    return web.json_response(builder.completion(joined, finish_reasons, _usage(handles), logprobs, calls))
 
 
-async def _stream(request, typed: GenerationRequest, handles, builder: ResponseBuilder) -> web.StreamResponse:
+async def _stream(
+    request, typed: GenerationRequest, handles, builder: ResponseBuilder, tool_format
+) -> web.StreamResponse:
     include_usage = typed.include_usage
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -197,21 +215,26 @@ async def _stream(request, typed: GenerationRequest, handles, builder: ResponseB
             raise ConnectionResetError("the client stopped reading") from None
 
     try:
-        return await _write_stream(request, response, send, deltas, handles, builder, include_usage)
+        return await _write_stream(request, response, send, deltas, handles, builder, include_usage, tool_format)
     finally:
         deltas.close()
 
 
-async def _write_stream(request, response, send, deltas, handles, builder, include_usage):
+async def _write_stream(request, response, send, deltas, handles, builder, include_usage, tool_format):
     try:
         if builder.chat:
             for index in range(sum(handle.n for handle in handles)):
                 await send(builder.role_chunk(index, include_usage))
+        readers: dict[int, Any] = {}
         async for index, delta in deltas:
+            if tool_format is not None:
+                reader = readers.setdefault(index, tool_format.stream())
+                for chunk in _tool_stream_chunks(builder, reader, index, delta, include_usage):
+                    await send(chunk)
             # A token whose text is held back (an incomplete UTF-8 sequence, a
             # possible start of a stop string) still has its logprobs: they go
             # out now, in a chunk with empty text.
-            if delta.text or delta.finish_reason is not None or delta.logprobs:
+            elif delta.text or delta.finish_reason is not None or delta.logprobs:
                 await send(builder.delta_chunk(index, delta, include_usage))
         if include_usage:
             await send(builder.usage_chunk(_usage(handles)))
@@ -235,6 +258,26 @@ async def _write_stream(request, response, send, deltas, handles, builder, inclu
     except ConnectionResetError:
         pass
     return response
+
+
+def _tool_stream_chunks(builder: ResponseBuilder, reader, index: int, delta, include_usage: bool) -> list:
+    """The chunks of one delta of a choice that may call tools: text that
+    cannot be part of a call goes out at once; a call goes out whole, once
+    the choice has ended and its text is parsed."""
+    text = reader.feed(delta.text)
+    if delta.finish_reason is None:
+        if text or delta.logprobs:
+            return [builder.delta_chunk(index, dataclasses.replace(delta, text=text), include_usage)]
+        return []
+    parsed = reader.finish()
+    text += parsed.content or ""
+    chunks = []
+    if text or delta.logprobs:
+        chunks.append(builder.delta_chunk(index, dataclasses.replace(delta, text=text, finish_reason=None),
+                                          include_usage))
+    chunks += builder.tool_call_chunks(index, parsed.calls, include_usage)
+    chunks.append(builder.finish_chunk(index, "tool_calls" if parsed.calls else delta.finish_reason, include_usage))
+    return chunks
 
 
 @v1_routes.post("/chat/completions")

@@ -44,7 +44,8 @@ def load_tiny(tiny_gguf):
     """
     loaded = []
 
-    def load(*, pm=None, executor="tvm", chat_template=None, executor_options=None, **engine_options):
+    def load(*, pm=None, executor="tvm", chat_template=None, executor_options=None, tool_call_format=None,
+             **engine_options):
         model = load_model(
             pm or get_plugin_manager(autoload=False),
             str(tiny_gguf),
@@ -53,6 +54,7 @@ def load_tiny(tiny_gguf):
             chat_template=chat_template,
             executor_options=ExecutorOptions(**{**TINY_EXECUTOR, **(executor_options or {})}),
             engine_options=EngineOptions(**engine_options),
+            tool_call_format=tool_call_format,
         )
         loaded.append(model)
         return model

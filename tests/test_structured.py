@@ -471,3 +471,20 @@ def test_random_walk_produces_valid_json(
 
     text = tokenizer.decode(output)
     jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("additional, extra_key_allowed", [(None, False), (True, True), ({"type": "integer"}, True)])
+def test_declared_properties_close_an_object_unless_it_opts_in(compile_format, tokenizer, additional, extra_key_allowed):
+    """`llm --schema 'name, age int'` once got back keys it never declared:
+    an object with `properties` takes no others unless `additionalProperties`
+    allows them, as xgrammar and llama.cpp's server have it."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    if additional is not None:
+        schema["additionalProperties"] = additional
+    matcher = compile_format(json_schema_format(schema)).matcher()
+    feed(matcher, tokenizer, '{"name": "Emma", "age": 28')
+    allowed = matcher.allowed(len(tokenizer))
+    comma = tokenizer.convert_tokens_to_ids(",")
+    assert bool(allowed[comma]) == extra_key_allowed
+    assert allowed[tokenizer.convert_tokens_to_ids("}")]

@@ -7,6 +7,8 @@ import pytest
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "x": {"type": "integer"}}}}}
 
 
 def chat(**fields):
@@ -72,7 +74,31 @@ BAD = [
      "response_format", "invalid_schema"),
     (COMPLETIONS, completion(response_format={"type": "json_object", "schema": {"type": "nonsense"}}),
      "response_format", "invalid_schema"),
-    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "unsupported_parameter"),
+    (CHAT, chat(tools={"type": "function"}), "tools", "invalid_value"),
+    (CHAT, chat(tools=[{"type": "web_search"}]), "tools[0].type", "invalid_value"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name",
+     "invalid_value"),
+    (CHAT, chat(tools=[TOOL, TOOL]), "tools[1].function.name", "invalid_value"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+     "tools[0].function.parameters", "invalid_value"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]),
+     "tools[0].function.parameters", "invalid_schema"),
+    (CHAT, chat(tool_choice="auto"), "tool_choice", "invalid_value"),
+    (CHAT, chat(tools=[TOOL], tool_choice="sometimes"), "tool_choice", "invalid_value"),
+    (CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice",
+     "invalid_value"),
+    (CHAT, chat(tools=[TOOL], parallel_tool_calls="yes"), "parallel_tool_calls", "invalid_value"),
+    (CHAT, chat(tools=[TOOL], response_format={"type": "json_object"}), "response_format", "unsupported_parameter"),
+    (CHAT, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "nope"}]), "messages[0].tool_call_id",
+     "invalid_value"),
+    (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "messages[0].tool_calls",
+     "invalid_value"),
+    (CHAT, chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+        "function": {"name": "f", "arguments": "{}"}}]}]), "messages[0].tool_calls[0].id", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+        "function": {"name": "f", "arguments": {}}}]}]), "messages[0].tool_calls[0].function.arguments",
+     "invalid_value"),
     (CHAT, chat(top_k=-2), "top_k", "invalid_value"),
     (CHAT, chat(min_p=1.5), "min_p", "invalid_value"),
     (CHAT, chat(repetition_penalty=0), "repetition_penalty", "invalid_value"),
@@ -109,8 +135,14 @@ GOOD = [
                 unknown_field={"ignored": True}, user="me", max_completion_tokens=3)),
     (CHAT, chat(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": "x"}, {"role": "tool", "content": "y", "tool_call_id": "1"},
-        {"role": "user", "content": "z"}])),
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "y", "tool_call_id": "1"},
+        {"role": "developer", "content": "d"}, {"role": "user", "content": "z"}])),
+    (CHAT, chat(tools=[TOOL], tool_choice="none")),
+    (CHAT, chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)),
+    (CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}})),
+    (CHAT, chat(functions=[TOOL["function"]], function_call={"name": "f"})),
     (CHAT, chat(stream=True, stream_options={"include_usage": False}, response_format={"type": "text"})),
     (CHAT, chat(response_format={"type": "json_object"})),
     (CHAT, chat(max_tokens=None, temperature=None)),

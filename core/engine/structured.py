@@ -39,6 +39,8 @@ __all__ = [
     "MAX_SCHEMA_NODES",
     "MatcherError",
     "check_schema_limits",
+    "closed_objects",
+    "compile_grammar",
     "compile_json_schema",
     "prepare_tokenizer",
 ]
@@ -48,7 +50,8 @@ _SUBJECT = "schema"
 
 # Applied before the schema's own "x-guidance" options, so a schema may
 # override them.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: how generated JSON is laid out (see the module docstring)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 # Error texts without the parser state and the whole grammar appended: the
 # message goes back to the client, which already has its schema.
@@ -168,13 +171,68 @@ def check_schema_limits(schema: Mapping[str, Any]) -> None:
 
 
 def _compile(schema: Mapping[str, Any], strict: bool, llg_tokenizer) -> Grammar:
-    layout = dict(_JSON_LAYOUT, lenient=not strict)
+    layout = dict(JSON_LAYOUT, lenient=not strict)
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=layout)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=layout)
     except (ValueError, TypeError) as exc:
         raise _invalid(str(exc)) from exc
-    # Building a matcher compiles the schema for real (types, $ref targets,
-    # regexes, satisfiability), which grammar_from_json_schema does not.
+    return _checked(grammar, llg_tokenizer)
+
+
+def compile_grammar(
+    lark: str, tokenizer, *, eos_token_ids: Sequence[int] | None = None
+) -> Grammar:
+    """Compile an llguidance Lark grammar (a tool-call format's; JSON inside
+    it written as `%json {schema}`) into a `Grammar`.
+
+    :raises InvalidSchema: (subject "schema") when it does not compile or
+        admits nothing.
+    """
+    llg_tokenizer = _llg_tokenizer(tokenizer, eos_token_ids)
+    try:
+        grammar = llguidance.grammar_from("lark", lark)
+    except (ValueError, TypeError) as exc:
+        raise _invalid(str(exc)) from exc
+    return run_with_large_stack(lambda: _checked(grammar, llg_tokenizer))
+
+
+def closed_objects(schema: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`schema` with every object that declares `properties` closed to other
+    keys (`additionalProperties: false`) unless it says otherwise.
+
+    JSON Schema allows undeclared keys by default, and a grammar that allows
+    them lets a small model invent keys (`{"name": ..., "age": 28,
+    "gemma_penoff": ...}`); xgrammar (vLLM, SGLang) and llama.cpp's server
+    close objects the same way. `additionalProperties: true` (or a schema)
+    opts back in. Members of an `allOf` stay open: closing each would
+    refuse the keys the others declare.
+    """
+    def close(node: Any, in_all_of: bool = False) -> Any:
+        if isinstance(node, list):
+            return [close(item) for item in node]
+        if not isinstance(node, Mapping):
+            return node
+        closed = {}
+        for key, value in node.items():
+            if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+                closed[key] = {k: close(v) for k, v in value.items()} if isinstance(value, Mapping) else value
+            elif key == "allOf":
+                closed[key] = [close(item, in_all_of=True) for item in value] if isinstance(value, list) else value
+            elif key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "not", "if", "then",
+                         "else", "contains", "additionalItems", "unevaluatedProperties", "propertyNames"):
+                closed[key] = close(value)
+            else:
+                closed[key] = value
+        if "properties" in node and "additionalProperties" not in node and not in_all_of:
+            closed["additionalProperties"] = False
+        return closed
+
+    return close(schema)
+
+
+def _checked(grammar: str, llg_tokenizer) -> Grammar:
+    # Building a matcher compiles the grammar for real (types, $ref targets,
+    # regexes, satisfiability), which building its text does not.
     template = llguidance.LLMatcher(llg_tokenizer, grammar, log_level=0, limits=_LIMITS)
     if template.is_error():
         raise _invalid(template.get_error())

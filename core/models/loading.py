@@ -16,6 +16,7 @@ from lockgate.engine import Engine, EngineOptions
 from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
 from lockgate.models.executor import Executor, ExecutorFactory, ExecutorOptions, ModelFile
 from lockgate.models.config import LlamaConfig
+from lockgate.plugin_api.tool_calls import choose_tool_call_format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Model:
     engine: Engine
     aliases: tuple[str, ...] = ()
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    #: how this model writes tool calls (`lockgate.plugin_api.tool_calls.ToolCallFormat`)
+    tool_call_format: Any = None
 
     @functools.cached_property
     def token_bytes(self):
@@ -82,6 +85,13 @@ def registered_executors(pm: pluggy.PluginManager) -> dict[str, ExecutorFactory]
     return factories
 
 
+def registered_tool_call_formats(pm: pluggy.PluginManager) -> list[type]:
+    """Every tool-call format plugins offer, in the order they are tried."""
+    formats: list[type] = []
+    pm.hook.lockgate_register_tool_call_formats(register=formats.append)
+    return formats
+
+
 def load_model(
     pm: pluggy.PluginManager,
     model: str,
@@ -91,6 +101,7 @@ def load_model(
     chat_template: str | None = None,
     executor_options: ExecutorOptions = ExecutorOptions(),
     engine_options: EngineOptions = EngineOptions(),
+    tool_call_format: str | None = None,
 ) -> Model:
     """Load `model` (a registered name or alias, or a path to a GGUF file).
 
@@ -118,6 +129,7 @@ def load_model(
             )
         name = path.name.removesuffix(".gguf")
     factories = registered_executors(pm)
+    formats = registered_tool_call_formats(pm)
     if executor not in factories:
         raise ModelLoadError(
             f"no executor named {executor!r}; registered: {', '.join(sorted(factories)) or 'none'}"
@@ -129,6 +141,10 @@ def load_model(
     metadata = GGUFMetadata(path)
     config = LlamaConfig.from_gguf(metadata)
     tokenizer = load_tokenizer(metadata, chat_template=chat_template)
+    try:
+        tool_format = choose_tool_call_format(formats, tool_call_format, tokenizer.chat_template)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
     eos_ids = eos_token_ids(metadata, tokenizer)
     # the grammar engine's copy of the vocabulary, built once so the first
     # structured-output request does not pay for it
@@ -152,6 +168,7 @@ def load_model(
         executor=backend,
         engine=engine,
         aliases=aliases,
+        tool_call_format=tool_format,
     )
 
 

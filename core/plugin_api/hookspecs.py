@@ -16,6 +16,7 @@ engine and the models import `hookimpl` from here):
 * `Work`, `Engine`, `RequestHandle` (`lockgate.engine`).
 * `ErrorResponse` (`lockgate.errors`).
 * `ModelFile`, `ExecutorOptions`, `Executor` (`lockgate.models.executor`).
+* `ToolCallFormat` (`lockgate.plugin_api.tool_calls`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from lockgate.models import Model, ModelSpec
     from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
     from lockgate.plugin_api.request import GenerationRequest
+    from lockgate.plugin_api.tool_calls import ToolCallFormat
 
 PROJECT_NAME = "lockgate"
 
@@ -166,6 +168,22 @@ def lockgate_register_models(register: Callable[[ModelSpec], None]) -> None:
     :returns: nothing; the return value is ignored.
     :raises: `lockgate.errors.ModelLoadError` (best from `locate`) to stop
         start-up with a message.
+
+    Every implementation runs.
+    """
+
+
+@hookspec
+def lockgate_register_tool_call_formats(register: Callable[[type[ToolCallFormat]], None]) -> None:
+    """Offer tool-call formats: how a model family writes tool calls.
+
+    :param register: call `register(FormatClass)` with a `ToolCallFormat`
+        subclass; its `name` is what `--tool-call-format` takes, and its
+        `fits(chat_template)` says whether a model's template writes calls
+        its way (the first registered format that fits is chosen; built-ins
+        come last, the catch-all `generic` last of all).
+    :returns: nothing; the return value is ignored.
+    :raises: nothing by design; an exception stops start-up.
 
     Every implementation runs.
     """

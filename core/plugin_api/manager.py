@@ -27,6 +27,7 @@ DEFAULT_PLUGINS = (
     "lockgate.plugins.enqueue",
     "lockgate.plugins.errors",
     "lockgate.plugins.models",
+    "lockgate.plugins.tool_formats",
     "lockgate.plugins.tvm",
 )
 

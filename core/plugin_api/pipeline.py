@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import pluggy
@@ -19,9 +20,10 @@ import structlog
 
 from lockgate.engine import RequestHandle, Work
 from lockgate.engine.structured import Grammar, compile_json_schema
-from lockgate.errors import InternalError, LockgateError
+from lockgate.engine.structured import compile_grammar as compile_lark
+from lockgate.errors import InternalError, LockgateError, UnsupportedParameter
 from lockgate.models import Model
-from lockgate.plugin_api.request import CompletionRequest, GenerationRequest
+from lockgate.plugin_api.request import ChatRequest, CompletionRequest, GenerationRequest
 
 log = structlog.get_logger("lockgate.pipeline")
 
@@ -79,6 +81,8 @@ def prepare_request(
         pm.hook.lockgate_validate_request(request=request, model=model)
         grammar = compile_grammar(request, model.tokenizer, model.eos_token_ids)
         params = request.sampling_params(grammar=grammar)
+        if isinstance(request, ChatRequest) and request.uses_tools:
+            params = dataclasses.replace(params, **tool_call_params(request, model))
         prompts = request.split() if isinstance(request, CompletionRequest) else [request]
         handles: list[RequestHandle] = []
         try:
@@ -109,6 +113,33 @@ def compile_grammar(request: GenerationRequest, tokenizer, eos_token_ids: Sequen
     if grammar.warnings:
         log.warning("response_format schema features ignored", warnings=list(grammar.warnings))
     return grammar
+
+
+def tool_call_params(request: ChatRequest, model: Model) -> dict:
+    """What tools change in how the engine samples: a grammar that makes
+    the output a call (`required`, a named tool) or a call or an answer
+    (`auto`, where the format can say so), and the format's markers kept in
+    the text. Every tool's parameters are compiled first, with the checks
+    of `response_format`, so a bad schema is a 400 naming its tool."""
+    fmt = model.tool_call_format
+    if fmt is None:
+        raise UnsupportedParameter("this model has no tool-call format", param="tools")
+    field = "tools" if request.tools else "functions"
+    for i, tool in enumerate(request.offered_tools):
+        try:
+            compile_json_schema(
+                tool.parameters, model.tokenizer, strict=tool.strict, eos_token_ids=model.eos_token_ids
+            )
+        except LockgateError as exc:
+            exc.param = f"{field}[{i}].function.parameters" if field == "tools" else f"{field}[{i}].parameters"
+            raise
+    choice = request.effective_tool_choice
+    required = choice == "required" or choice.startswith("function:")
+    lark = fmt.grammar(request.forced_tools, required=required, parallel=request.parallel_tool_calls)
+    changes: dict = {"skip_special_tokens": not fmt.keeps_special_tokens and request.skip_special_tokens}
+    if lark is not None:
+        changes["grammar"] = compile_lark(lark, model.tokenizer, eos_token_ids=model.eos_token_ids)
+    return changes
 
 
 def _prompt_token_ids(pm: pluggy.PluginManager, request: GenerationRequest, model: Model) -> list[int]:

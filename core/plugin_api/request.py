@@ -26,16 +26,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from lockgate.engine.params import SamplingParams
 from lockgate.errors import InvalidRequestError, InvalidSchema
+from lockgate.plugin_api.tool_calls import Tool, ToolCall
 
 CHAT_ENDPOINT = "chat.completions"
 COMPLETIONS_ENDPOINT = "completions"
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+#: roles read as another: the current API's `developer` is a system message,
+#: the legacy `function` a tool result
+ROLE_ALIASES = {"developer": "system", "function": "tool"}
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+TOOL_CHOICES = ("none", "auto", "required")
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -226,20 +233,36 @@ def _a(kind: str) -> str:
 class Message:
     """One chat message, its content as text."""
 
+    #: system, user, assistant or tool (`developer` and `function` read as system and tool)
     role: str
     content: str
     name: str | None = None
     #: a `tool` message: the call it answers
     tool_call_id: str | None = None
+    #: an `assistant` message: the calls it made
+    tool_calls: tuple[ToolCall, ...] = ()
 
-    def as_template_input(self) -> dict[str, str]:
-        """The message as chat templates read it."""
-        message = {"role": self.role, "content": self.content}
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool calls as Hugging Face
+        templates expect them: arguments decoded)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _decoded(c.arguments)}}
+                for c in self.tool_calls
+            ]
         return message
+
+
+def _decoded(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def read_messages(value: Any, where: str) -> tuple[Message, ...]:
@@ -258,13 +281,122 @@ def _message(value: Any, where: str) -> Message:
         raise InvalidRequestError(
             f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", param=f"{where}.role"
         )
+    role = ROLE_ALIASES.get(role, role)
     name = value.get("name")
     if name is not None:
         string(name, f"{where}.name")
     tool_call_id = value.get("tool_call_id")
     if tool_call_id is not None:
         string(tool_call_id, f"{where}.tool_call_id")
-    return Message(role, _content(value.get("content"), f"{where}.content"), name, tool_call_id)
+    calls: tuple[ToolCall, ...] = ()
+    if value.get("tool_calls") is not None:
+        if role != "assistant":
+            raise InvalidRequestError(f"{where}.tool_calls is for assistant messages", param=f"{where}.tool_calls")
+        calls = _tool_calls(value["tool_calls"], f"{where}.tool_calls")
+    elif value.get("function_call") is not None and role == "assistant":  # the legacy single call
+        calls = (_call(value["function_call"], f"{where}.function_call", call_id=None),)
+    content = value.get("content")
+    if content is None and (calls or role == "assistant"):
+        content = ""
+    return Message(role, _content(content, f"{where}.content"), name, tool_call_id, calls)
+
+
+def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
+    calls = []
+    for i, item in enumerate(value):
+        at = f"{where}[{i}]"
+        call = _object(item, at)
+        if call.get("type", "function") != "function":
+            raise InvalidRequestError(f"{at}.type must be 'function'", param=f"{at}.type")
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidRequestError(f"{at}.id must be a non-empty string", param=f"{at}.id")
+        calls.append(_call(call.get("function"), f"{at}.function", call_id=call_id))
+    return tuple(calls)
+
+
+def _call(value: Any, where: str, *, call_id: str | None) -> ToolCall:
+    function = _object(value, where)
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"{where}.name must be a non-empty string", param=f"{where}.name")
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise InvalidRequestError(f"{where}.arguments must be a string of JSON", param=f"{where}.arguments")
+    return ToolCall(name, arguments) if call_id is None else ToolCall(name, arguments, id=call_id)
+
+
+def read_tools(value: Any, where: str) -> tuple[Tool, ...]:
+    """`tools`: `[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]`."""
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
+    tools, names = [], set()
+    for i, item in enumerate(value):
+        at = f"{where}[{i}]"
+        tool = _object(item, at)
+        if tool.get("type") != "function":
+            raise InvalidRequestError(
+                f"{at}.type must be 'function' (this server runs no built-in tools)", param=f"{at}.type"
+            )
+        tools.append(_function(tool.get("function"), f"{at}.function", names))
+    return tuple(tools)
+
+
+def read_functions(value: Any, where: str) -> tuple[Tool, ...]:
+    """The deprecated `functions`: `[{"name", "description", "parameters"}]`."""
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
+    names: set[str] = set()
+    return tuple(_function(item, f"{where}[{i}]", names) for i, item in enumerate(value))
+
+
+def _function(value: Any, where: str, names: set[str]) -> Tool:
+    function = _object(value, where)
+    name = function.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
+        raise InvalidRequestError(
+            f"{where}.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {json.dumps(name)[:80]}", param=f"{where}.name"
+        )
+    if name in names:
+        raise InvalidRequestError(f"{where}.name: two tools are named {name!r}", param=f"{where}.name")
+    names.add(name)
+    description = function.get("description")
+    if description is not None:
+        string(description, f"{where}.description")
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    elif not isinstance(parameters, dict):
+        raise InvalidRequestError(
+            f"{where}.parameters must be a JSON schema object, not {json_type(parameters)}", param=f"{where}.parameters"
+        )
+    strict = function.get("strict")
+    if strict is not None:
+        boolean(strict, f"{where}.strict")
+    return Tool(name, description, parameters, bool(strict))
+
+
+def read_tool_choice(value: Any, where: str) -> str:
+    """`tool_choice` (or the legacy `function_call`): "none", "auto",
+    "required", or a tool's name for `{"type": "function", "function": {"name"}}`
+    (legacy: `{"name"}`), kept as `function:<name>`."""
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise InvalidRequestError(
+                f"{where} must be one of {', '.join(TOOL_CHOICES)} or names a function, got {json.dumps(value)[:60]}",
+                param=where,
+            )
+        return value
+    choice = _object(value, where)
+    function = choice.get("function") if "function" in choice else choice
+    if "function" in choice and choice.get("type") != "function":
+        raise InvalidRequestError(f"{where}.type must be 'function'", param=f"{where}.type")
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise InvalidRequestError(f"{where}.function.name must be a string", param=where)
+    return "function:" + name
 
 
 def _content(value: Any, where: str) -> str:
@@ -435,14 +567,77 @@ class ChatRequest(GenerationRequest):
     messages: tuple[Message, ...] = param((), read_messages, required=True)
     logprobs: bool = param(False, boolean)
     top_logprobs: int | None = param(None, integer(0, MAX_TOP_LOGPROBS))
+    tools: tuple[Tool, ...] = param((), read_tools)
+    #: "none", "auto", "required" or "function:<name>"; None: not given
+    tool_choice: str | None = param(None, read_tool_choice)
+    parallel_tool_calls: bool = param(True, boolean)
+    # the deprecated forms of `tools` and `tool_choice`
+    functions: tuple[Tool, ...] = param((), read_functions)
+    function_call: str | None = param(None, read_tool_choice)
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def offered_tools(self) -> tuple[Tool, ...]:
+        return self.tools or self.functions
+
+    @property
+    def effective_tool_choice(self) -> str:
+        """What the model may do with the tools: "none" without tools;
+        "auto" when tools came without a choice."""
+        if not self.offered_tools:
+            return "none"
+        return self.tool_choice or self.function_call or "auto"
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the model sees the tools (tools with "none" are plain chat)."""
+        return self.effective_tool_choice != "none"
+
+    @property
+    def forced_tools(self) -> tuple[Tool, ...]:
+        """The tools a call must be of: the named one, or all."""
+        choice = self.effective_tool_choice
+        if choice.startswith("function:"):
+            return tuple(t for t in self.offered_tools if t.name == choice.removeprefix("function:"))
+        return self.offered_tools
 
     def _check_combinations(self) -> None:
         super()._check_combinations()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        for field, tools in (("tool_choice", self.tools), ("function_call", self.functions)):
+            choice = getattr(self, field)
+            if choice is None:
+                continue
+            if not tools and not self.offered_tools:
+                raise InvalidRequestError(f"{field} is only allowed when tools are given", param=field)
+            if choice.startswith("function:") and not any(
+                t.name == choice.removeprefix("function:") for t in self.offered_tools
+            ):
+                raise InvalidRequestError(
+                    f"{field} names {choice.removeprefix('function:')!r}, which is not among the tools", param=field
+                )
+        if self.uses_tools and self.response_format is not None:
+            raise InvalidRequestError(
+                "response_format cannot be combined with tools (unless tool_choice is 'none')",
+                param="response_format", code="unsupported_parameter",
+            )
+        answered: set[str] = set()
+        for i, message in enumerate(self.messages):
+            answered.update(c.id for c in message.tool_calls)
+            raw = self.body["messages"][i]
+            if message.role == "tool" and raw.get("role") == "tool":
+                if message.tool_call_id is None:
+                    raise InvalidRequestError(
+                        f"messages[{i}].tool_call_id is required in a tool message", param=f"messages[{i}].tool_call_id"
+                    )
+                if message.tool_call_id not in answered:
+                    raise InvalidRequestError(
+                        f"messages[{i}].tool_call_id {message.tool_call_id!r} answers no earlier tool call",
+                        param=f"messages[{i}].tool_call_id",
+                    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

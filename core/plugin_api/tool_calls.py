@@ -1,0 +1,215 @@
+"""Tool calling's plugin interface: what a tool-call format is.
+
+A model family writes tool calls its own way (a JSON envelope, Hermes'
+`<tool_call>` tags, Llama 3's bare JSON, Mistral's `[TOOL_CALLS]`). A
+`ToolCallFormat`, offered by a plugin through `lockgate_tool_call_format`,
+knows one way: how to tell a model about tools when its chat template
+cannot, the grammar that makes generation a well-formed call, and how to
+read calls back out of the generated text, whole or as it streams.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from lockgate.engine.structured import JSON_LAYOUT, closed_objects
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """A function the client offers the model."""
+
+    name: str
+    description: str | None = None
+    #: a JSON schema for the arguments (an object)
+    parameters: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"type": "object"})
+    strict: bool = False
+
+    def as_openai(self) -> dict[str, Any]:
+        """The tool as OpenAI's API and chat templates spell it."""
+        function: dict[str, Any] = {"name": self.name, "parameters": dict(self.parameters)}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """A call of a tool: its id, the tool's name and the arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = dataclasses.field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclasses.dataclass
+class ParsedOutput:
+    """Generated text read as a tool-call format writes it."""
+
+    #: the text that is not a call (None when there is none)
+    content: str | None
+    calls: list[ToolCall]
+
+
+def arguments_text(arguments: Any) -> str:
+    """Arguments as the JSON text OpenAI's `arguments` field holds."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def call_schema(tool: Tool, *, arguments_key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of one call of `tool`: `{"name": <its name>, "<arguments_key>": <its parameters>}`."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, arguments_key: dict(tool.parameters)},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
+
+
+def any_call_schema(tools: Sequence[Tool], *, arguments_key: str = "arguments") -> dict[str, Any]:
+    """One call of any of `tools`."""
+    schemas = [call_schema(t, arguments_key=arguments_key) for t in tools]
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def lark_json(schema: Mapping[str, Any]) -> str:
+    """A JSON schema embedded in an llguidance Lark grammar: objects closed
+    as in `response_format`, JSON laid out as everywhere else."""
+    layout = {"x-guidance": dict(JSON_LAYOUT, lenient=True)}
+    return "%json " + json.dumps({**layout, **closed_objects(schema)}, ensure_ascii=False)
+
+
+def lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+class ToolCallFormat(abc.ABC):
+    """One family's way of writing tool calls."""
+
+    #: the name `--tool-call-format` and `lockgate plugins` use
+    name: ClassVar[str]
+    #: whether its output needs special tokens kept in the text (markers
+    #: such as `[TOOL_CALLS]` that are special tokens of the vocabulary)
+    keeps_special_tokens: ClassVar[bool] = False
+
+    @classmethod
+    def fits(cls, chat_template: str | None) -> bool:
+        """Whether a model with this chat template writes calls this way."""
+        return False
+
+    @abc.abstractmethod
+    def instructions(self, tools: Sequence[Tool]) -> str:
+        """What to add to the system message, for a chat template that
+        cannot render tools itself: the tools and how to call them."""
+
+    @abc.abstractmethod
+    def render_calls(self, calls: Sequence[ToolCall]) -> str:
+        """An assistant's earlier calls as this format writes them (for
+        a chat template that cannot render them itself)."""
+
+    @abc.abstractmethod
+    def grammar(self, tools: Sequence[Tool], *, required: bool, parallel: bool) -> str | None:
+        """An llguidance Lark grammar for the output: with `required`, one
+        call (or several, with `parallel`) of `tools`; without, text or
+        calls. None leaves generation unconstrained."""
+
+    @abc.abstractmethod
+    def parse(self, text: str) -> ParsedOutput:
+        """Read a whole output. Text that does not parse as calls is content."""
+
+    def start_markers(self) -> Sequence[str]:
+        """Texts that begin a call wherever they appear: a stream holds text
+        back from the first one on, to be parsed whole at the end. With no
+        start or leading markers the output is held back entirely."""
+        return ()
+
+    def leading_markers(self) -> Sequence[str]:
+        """Texts that begin a call only at the start of the output (after
+        white space): a stream that starts with one is held back whole."""
+        return ()
+
+    def stream(self) -> "StreamedOutput":
+        return StreamedOutput(self)
+
+
+class StreamedOutput:
+    """Reads a streamed output: text is passed on as it comes until a call
+    may be starting; from there on it is held and parsed at the end."""
+
+    def __init__(self, fmt: ToolCallFormat) -> None:
+        self.format = fmt
+        self.markers = tuple(fmt.start_markers())
+        self.leading = tuple(fmt.leading_markers())
+        self.text = ""
+        self.sent = 0
+        self.holding = not self.markers and not self.leading
+
+    def feed(self, piece: str) -> str:
+        """Take more generated text; return the content that can go out now."""
+        self.text += piece
+        if self.holding:
+            return ""
+        if self.leading and self.sent == 0:
+            start = self.text.lstrip()
+            if any(start.startswith(m) for m in self.leading):
+                self.holding = True
+                return ""
+            if not start or any(m.startswith(start) for m in self.leading):
+                return ""  # too little text yet to tell
+            self.leading = ()
+        found = [i for i in (self.text.find(m, self.sent) for m in self.markers) if i >= 0]
+        if found:
+            self.holding = True
+            return self._release(min(found))
+        # keep back a tail that may be the start of a marker
+        keep = max((_partial_suffix(self.text, m) for m in self.markers), default=0)
+        return self._release(len(self.text) - keep)
+
+    def finish(self) -> ParsedOutput:
+        """The end: the content not yet sent, and the calls."""
+        rest = self.text[self.sent :]
+        if not self.holding:
+            return ParsedOutput(rest or None, [])
+        parsed = self.format.parse(rest)
+        return parsed
+
+    def _release(self, end: int) -> str:
+        out = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+def choose_tool_call_format(
+    formats: Sequence[type[ToolCallFormat]], name: str | None, chat_template: str | None
+) -> ToolCallFormat | None:
+    """The format named (`--tool-call-format`), else the first that fits the
+    template; None when none does.
+
+    :raises ValueError: naming a format nobody registered.
+    """
+    if name is not None:
+        for fmt in formats:
+            if fmt.name == name:
+                return fmt()
+        known = ", ".join(f.name for f in formats) or "none"
+        raise ValueError(f"no tool-call format named {name!r}; registered: {known}")
+    for fmt in formats:
+        if fmt.fits(chat_template):
+            return fmt()
+    return None

@@ -1,0 +1,280 @@
+"""Built-in `lockgate_tool_call_format`: the tool-call formats lockgate
+knows, and which one a model gets.
+
+* `generic`: a JSON envelope, `{"tool_calls": [{"name", "arguments"}]}` or
+  `{"response": "..."}`, for models whose template knows no tools (the
+  default model's); llama.cpp's server does the same for such templates.
+* `hermes`: `<tool_call>{"name", "arguments"}</tool_call>` (Hermes, Qwen 2+).
+* `llama3`: a bare JSON object `{"name", "parameters"}`, optionally after
+  `<|python_tag|>`, several joined by `;` (Llama 3.1+ JSON tool calling).
+* `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}`
+  (Mistral v0.3+), or `[TOOL_CALLS]name[ARGS]{...}` (newer templates).
+
+The format follows from the chat template (the markers it writes), unless
+the operator names one with `--tool-call-format`; formats of other plugins
+are tried first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+
+from lockgate.plugin_api.hookspecs import hookimpl
+from lockgate.plugin_api.tool_calls import (
+    ParsedOutput,
+    Tool,
+    ToolCall,
+    ToolCallFormat,
+    any_call_schema,
+    arguments_text,
+    lark_json,
+    lark_string,
+)
+
+
+def _tool_list(tools: Sequence[Tool]) -> str:
+    return "\n".join(json.dumps(t.as_openai()["function"], ensure_ascii=False) for t in tools)
+
+
+def _calls_from(objects, arguments_key: str = "arguments") -> list[ToolCall] | None:
+    """Calls from decoded JSON objects, or None if any is not a call."""
+    calls = []
+    for obj in objects:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
+        calls.append(ToolCall(obj["name"], arguments_text(arguments)))
+    return calls
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _complete_items(text: str, opening: str) -> list:
+    """The JSON values of an array that `text` opens with `opening` and that
+    were written out whole before the text ends."""
+    text = text.strip()
+    if not text.startswith(opening):
+        return []
+    decoder, items, at = json.JSONDecoder(), [], len(opening)
+    while True:
+        while at < len(text) and text[at] in " ,\n":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        items.append(item)
+
+
+def _repeat(call: str, separator: str, parallel: bool) -> str:
+    return f"start: {call}" + (f" ({lark_string(separator)} {call})*" if parallel else "")
+
+
+class GenericFormat(ToolCallFormat):
+    name = "generic"
+
+    @classmethod
+    def fits(cls, chat_template):
+        return True  # the catch-all, registered last
+
+    def instructions(self, tools):
+        return (
+            "You can call these tools (each with a JSON schema of its arguments):\n"
+            f"{_tool_list(tools)}\n"
+            'Answer with one JSON object: {"tool_calls": [{"name": "<tool name>", "arguments": {...}}]} '
+            'to call tools, or {"response": "<your answer>"} to answer directly.'
+        )
+
+    def render_calls(self, calls):
+        return json.dumps(
+            {"tool_calls": [{"name": c.name, "arguments": _json(c.arguments) or {}} for c in calls]},
+            ensure_ascii=False,
+        )
+
+    def grammar(self, tools, *, required, parallel):
+        items = {"type": "array", "items": any_call_schema(tools), "minItems": 1}
+        if not parallel:
+            items["maxItems"] = 1
+        calls = {"type": "object", "properties": {"tool_calls": items}, "required": ["tool_calls"],
+                 "additionalProperties": False}
+        answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                  "additionalProperties": False}
+        return "start: " + lark_json(calls if required else {"anyOf": [calls, answer]})
+
+    def parse(self, text):
+        obj = _json(text.strip())
+        if obj is None:  # cut short (max_tokens): the calls written out whole still count
+            calls = _calls_from(_complete_items(text, '{"tool_calls": ['))
+            if calls:
+                return ParsedOutput(None, calls)
+        if isinstance(obj, dict):
+            if isinstance(obj.get("tool_calls"), list):
+                calls = _calls_from(obj["tool_calls"])
+                if calls is not None:
+                    return ParsedOutput(None, calls)
+            if isinstance(obj.get("tool_call"), dict):  # one call, as some models write it
+                calls = _calls_from([obj["tool_call"]])
+                if calls is not None:
+                    return ParsedOutput(None, calls)
+            if isinstance(obj.get("response"), str):
+                return ParsedOutput(obj["response"], [])
+        return ParsedOutput(text or None, [])
+
+
+class HermesFormat(ToolCallFormat):
+    name = "hermes"
+
+    @classmethod
+    def fits(cls, chat_template):
+        return "<tool_call>" in (chat_template or "")
+    _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+    def instructions(self, tools):
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{_tool_list(tools)}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
+
+    def render_calls(self, calls):
+        return "\n".join(
+            "<tool_call>\n" + json.dumps({"name": c.name, "arguments": _json(c.arguments) or {}}) + "\n</tool_call>"
+            for c in calls
+        )
+
+    def grammar(self, tools, *, required, parallel):
+        if not required:
+            return None
+        call = f'"<tool_call>\\n" {lark_json(any_call_schema(tools))} "\\n</tool_call>"'
+        return _repeat(f"({call})", "\n", parallel)
+
+    def parse(self, text):
+        calls, spans = [], []
+        for match in self._CALL.finditer(text):
+            found = _calls_from([_json(match[1])])
+            if found is None:
+                continue
+            calls += found
+            spans.append(match.span())
+        content = text
+        for start, end in reversed(spans):
+            content = content[:start] + content[end:]
+        return ParsedOutput(content.strip() or None, calls)
+
+    def start_markers(self):
+        return ("<tool_call>",)
+
+
+class Llama3Format(ToolCallFormat):
+    name = "llama3"
+
+    @classmethod
+    def fits(cls, chat_template):
+        template = chat_template or ""
+        return "<|python_tag|>" in template or "ipython" in template
+    keeps_special_tokens = True
+    _TAG = "<|python_tag|>"
+
+    def instructions(self, tools):
+        return (
+            "Given the following functions, please respond with a JSON for a function call with its "
+            "proper arguments that best answers the given prompt.\n\n"
+            'Respond in the format {"name": function name, "parameters": dictionary of argument name '
+            "and its value}. Do not use variables.\n\n" + _tool_list(tools)
+        )
+
+    def render_calls(self, calls):
+        return "; ".join(json.dumps({"name": c.name, "parameters": _json(c.arguments) or {}}) for c in calls)
+
+    def grammar(self, tools, *, required, parallel):
+        if not required:
+            return None
+        return _repeat(f"({lark_json(any_call_schema(tools, arguments_key='parameters'))})", "; ", parallel)
+
+    def parse(self, text):
+        body = text.strip().removeprefix(self._TAG).strip()
+        if body.startswith("{"):
+            decoded = _json(body)
+            objects = [decoded] if decoded is not None else [_json(part) for part in body.split(";")]
+            calls = _calls_from(objects, "parameters")
+            if calls:
+                return ParsedOutput(None, calls)
+        return ParsedOutput(text or None, [])
+
+    def leading_markers(self):
+        return (self._TAG, "{")
+
+
+class MistralFormat(ToolCallFormat):
+    name = "mistral"
+
+    @classmethod
+    def fits(cls, chat_template):
+        return "[TOOL_CALLS]" in (chat_template or "")
+    keeps_special_tokens = True
+    _TAG = "[TOOL_CALLS]"
+    _NAMED = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_-]+)\s*\[ARGS\]\s*(\{.*?\})(?=\s*\[TOOL_CALLS\]|\s*$)", re.S)
+
+    def instructions(self, tools):
+        return (
+            f"You can call these tools (each with a JSON schema of its arguments):\n{_tool_list(tools)}\n"
+            f'To call tools, answer with {self._TAG} then a JSON array of {{"name": ..., "arguments": {{...}}}}.'
+        )
+
+    def render_calls(self, calls):
+        return self._TAG + json.dumps([{"name": c.name, "arguments": _json(c.arguments) or {}} for c in calls])
+
+    def grammar(self, tools, *, required, parallel):
+        if not required:
+            return None
+        items = {"type": "array", "items": any_call_schema(tools), "minItems": 1}
+        if not parallel:
+            items["maxItems"] = 1
+        return "start: " + lark_json(items)
+
+    def parse(self, text):
+        body = text.strip()
+        named = self._NAMED.findall(body)
+        if named:
+            return ParsedOutput(None, [ToolCall(name, arguments_text(_json(args) or {})) for name, args in named])
+        head, tag, rest = body.partition(self._TAG)
+        candidate = rest if tag else body
+        decoded = _json(candidate.strip())
+        if isinstance(decoded, list) and decoded:
+            calls = _calls_from(decoded)
+            if calls is not None:
+                return ParsedOutput(head.strip() or None, calls)
+        return ParsedOutput(text or None, [])
+
+    def start_markers(self):
+        return (self._TAG,)
+
+    def leading_markers(self):
+        return ("[",)
+
+
+#: in the order they are tried against a template: the catch-all last
+BUILT_IN_FORMATS: dict[str, type[ToolCallFormat]] = {
+    f.name: f for f in (HermesFormat, MistralFormat, Llama3Format, GenericFormat)
+}
+
+
+def format_for_template(template: str | None) -> str:
+    """The built-in format a chat template's own markers point to."""
+    return next(f.name for f in BUILT_IN_FORMATS.values() if f.fits(template))
+
+
+@hookimpl(trylast=True)
+def lockgate_register_tool_call_formats(register) -> None:
+    for fmt in BUILT_IN_FORMATS.values():
+        register(fmt)

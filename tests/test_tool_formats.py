@@ -1,0 +1,122 @@
+"""The built-in tool-call formats read their family's outputs, whole and
+streamed (split at every character), and write grammars llguidance
+compiles. The recorded outputs follow each format's documentation."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from lockgate.engine.structured import compile_grammar
+from lockgate.plugin_api.tool_calls import Tool
+from lockgate.plugins.tool_formats import BUILT_IN_FORMATS, format_for_template
+
+WEATHER = Tool(
+    "get_weather", "The weather in a city",
+    {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+     "required": ["city"]},
+)
+ADD = Tool("add", None, {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                          "required": ["a", "b"]})
+
+#: (format, model output, expected content, expected calls as (name, arguments))
+RECORDED = [
+    ("generic", '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}',
+     None, [("get_weather", {"city": "Paris"})]),
+    ("generic", '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+                '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]}',
+     None, [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo", "unit": "c"})]),
+    ("generic", '{"tool_call": {"name": "add", "arguments": {"a": 1, "b": 2}}}', None, [("add", {"a": 1, "b": 2})]),
+    ("generic", '{"response": "It is sunny in Paris."}', "It is sunny in Paris.", []),
+    ("generic", "Just some text.", "Just some text.", []),
+    ("generic", '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "argum',  # cut short
+     None, [("add", {"a": 1, "b": 2})]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     None, [("get_weather", {"city": "Paris"})]),
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+     "Let me check.", [("add", {"a": 2, "b": 3}), ("get_weather", {"city": "Rome"})]),
+    ("hermes", "The answer is 5.", "The answer is 5.", []),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}',  # cut at max_tokens
+     None, [("add", {"a": 1, "b": 1})]),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
+    ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 4, "b": 5}}', None, [("add", {"a": 4, "b": 5})]),
+    ("llama3", '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": 3, "b": 4}}',
+     None, [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
+    ("llama3", "It is 12 degrees.", "It is 12 degrees.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     None, [("get_weather", {"city": "Paris"})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+                '{"name": "add", "arguments": {"a": 3, "b": 4}}]',
+     None, [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Lima"}', None, [("get_weather", {"city": "Lima"})]),
+    ("mistral", "No tools needed [really].", "No tools needed [really].", []),
+]
+
+
+def calls_of(parsed):
+    return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
+
+
+@pytest.mark.parametrize("name, output, content, calls", RECORDED)
+def test_a_whole_output_is_read(name, output, content, calls):
+    parsed = BUILT_IN_FORMATS[name]().parse(output)
+    assert parsed.content == content
+    assert calls_of(parsed) == calls
+    assert all(c.id.startswith("call_") for c in parsed.calls)
+
+
+@pytest.mark.parametrize("name, output, content, calls", RECORDED)
+def test_a_streamed_output_split_anywhere_reads_the_same(name, output, content, calls):
+    for cut in range(len(output) + 1):
+        stream = BUILT_IN_FORMATS[name]().stream()
+        sent = stream.feed(output[:cut]) + stream.feed(output[cut:])
+        end = stream.finish()
+        assert (sent + (end.content or "")).strip() == (content or ""), cut
+        assert calls_of(end) == calls, cut
+        if calls:  # nothing of a call leaks out as text
+            assert "{" not in sent and "tool_call" not in sent, cut
+
+
+def test_text_streams_out_as_it_comes():
+    stream = BUILT_IN_FORMATS["hermes"]().stream()
+    assert stream.feed("The answer") == "The answer"
+    assert stream.feed(" is <tool") == " is "  # held: may be a call's start
+    assert stream.feed("box>.") == "<toolbox>."
+
+
+@pytest.mark.parametrize(
+    "template, name",
+    [("{{ '<tool_call>' }}", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3"),
+     ("{% for m in messages %}{{ m.content }}{% endfor %}", "generic"), (None, "generic")],
+)
+def test_the_format_follows_the_template(template, name):
+    assert format_for_template(template) == name
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN_FORMATS))
+@pytest.mark.parametrize("parallel", [False, True])
+def test_every_required_grammar_compiles_and_forces_a_valid_call(name, parallel, smollm2_tokenizer):
+    fmt = BUILT_IN_FORMATS[name]()
+    text = fmt.grammar([WEATHER, ADD], required=True, parallel=parallel)
+    grammar = compile_grammar(text, smollm2_tokenizer)
+    # walk the grammar greedily through one valid call, as a model would
+    call = RECORDED_CALL[name]
+    matcher = grammar.matcher()
+    for token in smollm2_tokenizer.encode(call, add_special_tokens=False):
+        matcher.accept(token)
+    assert matcher.is_accepting
+    parsed = fmt.parse(call)
+    for c in parsed.calls:
+        jsonschema.validate(json.loads(c.arguments), {"add": ADD, "get_weather": WEATHER}[c.name].parameters)
+
+
+#: one call in each format, for the grammar walk
+RECORDED_CALL = {
+    "generic": '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]}',
+    "hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+    "llama3": '{"name": "add", "parameters": {"a": 1, "b": 2}}',
+    "mistral": '[{"name": "add", "arguments": {"a": 1, "b": 2}}]',
+}
