@@ -89,7 +89,8 @@ class GenericFormat(ToolCallFormat):
             "You can call these tools (each with a JSON schema of its arguments):\n"
             f"{_tool_list(tools)}\n"
             'Answer with one JSON object: {"tool_calls": [{"name": "<tool name>", "arguments": {...}}]} '
-            'to call tools, or {"response": "<your answer>"} to answer directly.'
+            'to call tools, or {"response": "<your answer>"} to answer directly. Once the tool results '
+            'you need are in the conversation, answer with {"response": "..."}.'
         )
 
     def render_calls(self, calls):
@@ -104,9 +105,14 @@ class GenericFormat(ToolCallFormat):
             items["maxItems"] = 1
         calls = {"type": "object", "properties": {"tool_calls": items}, "required": ["tool_calls"],
                  "additionalProperties": False}
-        answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-                  "additionalProperties": False}
-        return "start: " + lark_json(calls if required else {"anyOf": [calls, answer]})
+        return "start: " + lark_json(calls if required else {"anyOf": [calls, self._ANSWER]})
+
+    _ANSWER = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+               "additionalProperties": False}
+
+    def answer_grammar(self):
+        # the conversation's earlier turns are envelopes: so is this answer
+        return "start: " + lark_json(self._ANSWER)
 
     def parse(self, text):
         obj = _json(text.strip())

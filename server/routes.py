@@ -153,7 +153,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
         chat=typed.is_chat, request_id=typed.id, model=model.name, token_bytes=model.token_bytes
     )
     # the model's tool calls are read out of its text here
-    tool_format = model.tool_call_format if isinstance(typed, ChatRequest) and typed.uses_tools else None
+    tool_format = model.tool_call_format if isinstance(typed, ChatRequest) and typed.reads_tool_output else None
     try:
         if typed.stream:
             return await _stream(request, typed, handles, builder, tool_format)

@@ -81,7 +81,7 @@ def prepare_request(
         pm.hook.lockgate_validate_request(request=request, model=model)
         grammar = compile_grammar(request, model.tokenizer, model.eos_token_ids)
         params = request.sampling_params(grammar=grammar)
-        if isinstance(request, ChatRequest) and request.uses_tools:
+        if isinstance(request, ChatRequest) and request.reads_tool_output:
             params = dataclasses.replace(params, **tool_call_params(request, model))
         prompts = request.split() if isinstance(request, CompletionRequest) else [request]
         handles: list[RequestHandle] = []
@@ -117,13 +117,21 @@ def compile_grammar(request: GenerationRequest, tokenizer, eos_token_ids: Sequen
 
 def tool_call_params(request: ChatRequest, model: Model) -> dict:
     """What tools change in how the engine samples: a grammar that makes
-    the output a call (`required`, a named tool) or a call or an answer
-    (`auto`, where the format can say so), and the format's markers kept in
-    the text. Every tool's parameters are compiled first, with the checks
-    of `response_format`, so a bad schema is a 400 naming its tool."""
+    the output a call (`required`, a named tool), a call or an answer
+    (`auto`, where the format can say so), or an answer in the format's
+    own shape (`none` after earlier calls, where it has one); and the
+    format's markers kept in the text. Every tool's parameters are compiled
+    first, with the checks of `response_format`, so a bad schema is a 400
+    naming its tool."""
     fmt = model.tool_call_format
     if fmt is None:
         raise UnsupportedParameter("this model has no tool-call format", param="tools")
+    changes: dict = {"skip_special_tokens": not fmt.keeps_special_tokens and request.skip_special_tokens}
+    if not request.uses_tools:  # tool_choice "none" in a conversation that used tools
+        lark = fmt.answer_grammar()
+        if lark is not None:
+            changes["grammar"] = compile_lark(lark, model.tokenizer, eos_token_ids=model.eos_token_ids)
+        return changes
     field = "tools" if request.tools else "functions"
     for i, tool in enumerate(request.offered_tools):
         try:
@@ -136,7 +144,6 @@ def tool_call_params(request: ChatRequest, model: Model) -> dict:
     choice = request.effective_tool_choice
     required = choice == "required" or choice.startswith("function:")
     lark = fmt.grammar(request.forced_tools, required=required, parallel=request.parallel_tool_calls)
-    changes: dict = {"skip_special_tokens": not fmt.keeps_special_tokens and request.skip_special_tokens}
     if lark is not None:
         changes["grammar"] = compile_lark(lark, model.tokenizer, eos_token_ids=model.eos_token_ids)
     return changes

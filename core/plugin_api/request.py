@@ -596,6 +596,17 @@ class ChatRequest(GenerationRequest):
         return self.effective_tool_choice != "none"
 
     @property
+    def has_tool_history(self) -> bool:
+        """Whether earlier turns called tools."""
+        return any(m.tool_calls or m.role == "tool" for m in self.messages)
+
+    @property
+    def reads_tool_output(self) -> bool:
+        """Whether the output is read as a tool-call format writes it: tools
+        are offered, or earlier turns used them."""
+        return self.uses_tools or self.has_tool_history
+
+    @property
     def forced_tools(self) -> tuple[Tool, ...]:
         """The tools a call must be of: the named one, or all."""
         choice = self.effective_tool_choice

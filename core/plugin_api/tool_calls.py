@@ -121,6 +121,13 @@ class ToolCallFormat(abc.ABC):
         call (or several, with `parallel`) of `tools`; without, text or
         calls. None leaves generation unconstrained."""
 
+    def answer_grammar(self) -> str | None:
+        """A grammar for an answer without calls, in a conversation that has
+        used tools (`tool_choice: "none"` after calls and results), for a
+        format whose answers are written differently from free text there.
+        None: free text."""
+        return None
+
     @abc.abstractmethod
     def parse(self, text: str) -> ParsedOutput:
         """Read a whole output. Text that does not parse as calls is content."""
