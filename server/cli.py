@@ -61,7 +61,8 @@ async def _serve(settings: Settings) -> None:
 def list_plugins(as_json: bool) -> None:
     from lockgate.plugin_api.manager import describe_plugins, get_plugin_manager
 
-    described = describe_plugins(get_plugin_manager())
+    pm = get_plugin_manager()
+    described = describe_plugins(pm)
     if as_json:
         print(json.dumps(described, indent=2))
         return
@@ -70,6 +71,10 @@ def list_plugins(as_json: bool) -> None:
         print(f"{plugin['name']}{origin}")
         for hook in plugin["hooks"]:
             print(f"    {hook}")
+    from lockgate.models.loading import registered_tool_call_formats
+
+    formats = registered_tool_call_formats(pm)
+    print("tool-call formats (tried in this order): " + ", ".join(f.name for f in formats))
 
 
 def main(argv: list[str] | None = None) -> int:

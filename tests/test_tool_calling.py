@@ -242,3 +242,30 @@ def test_an_unknown_format_name_stops_start_up(load_tiny):
 
 def test_the_default_model_gets_the_generic_format(default_model):
     assert default_model.tool_call_format.name == "generic"
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "\nCall them as <tool_call>{json}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_a_template_that_renders_tools_gets_them_and_its_format(load_tiny):
+    from lockgate.plugin_api.request import CHAT_ENDPOINT, parse_request
+
+    model = load_tiny(chat_template=HERMES_TEMPLATE)
+    assert model.tool_call_format.name == "hermes"
+    pm = get_plugin_manager(autoload=False)
+    body = {"messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}], "tools": TOOLS}
+    prompt = pm.hook.lockgate_render_prompt(request=parse_request(CHAT_ENDPOINT, body, request_id="t"), model=model)
+    assert "Tools: get_weather calculate" in prompt
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
+    # with tool_choice none the template renders no tools, but still the history
+    body["tool_choice"] = "none"
+    prompt = pm.hook.lockgate_render_prompt(request=parse_request(CHAT_ENDPOINT, body, request_id="t"), model=model)
+    assert "Tools:" not in prompt and "<tool_call>" in prompt
