@@ -148,6 +148,9 @@ SETTINGS: tuple[Setting, ...] = (
             default_text="the prefill chunk size"),
     Setting("max_queue", int, 256, "waiting requests before new ones get 429"),
     Setting("max_n", int, 8, "largest `n` a request may ask for"),
+    Setting("responses_store_size", int, 1000,
+            "responses `/v1/responses` keeps for `previous_response_id` (least recently used out; "
+            "in memory, lost on restart)"),
     Setting("tool_call_format", str, None,
             "how the model writes tool calls: `generic`, `hermes`, `llama3`, `mistral` or a plugin's format",
             default_text="from the chat template"),

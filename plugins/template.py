@@ -17,13 +17,20 @@ def renders_tools(chat_template: str | None) -> bool:
 
 def _tools_in_text(request: ChatRequest, messages: list[dict], fmt) -> list[dict]:
     """For a template that knows no tools: the tools and how to call them in
-    the system message, earlier calls written as the format writes them."""
+    the system message, earlier calls written as the format writes them, and
+    tool results as a user turn that says which call they answer (a template
+    without tools knows no `tool` role either)."""
     written = []
-    for message in messages:
+    calls_by_id = {c.id: c for m in request.messages for c in m.tool_calls}
+    for typed, message in zip(request.messages, messages):
         if "tool_calls" in message:
-            calls = fmt.render_calls(request.messages[len(written)].tool_calls)
+            calls = fmt.render_calls(typed.tool_calls)
             message = {k: v for k, v in message.items() if k != "tool_calls"}
             message["content"] = "\n".join(filter(None, [message["content"], calls]))
+        elif typed.role == "tool":
+            call = calls_by_id.get(typed.tool_call_id)
+            about = f"{call.name}({call.arguments})" if call else (typed.name or "the tool")
+            message = {"role": "user", "content": f"Result of {about}: {typed.content}"}
         written.append(message)
     messages = written
     if not request.uses_tools:

@@ -73,6 +73,21 @@ def _complete_items(text: str, opening: str) -> list:
         items.append(item)
 
 
+def _string_prefix(text: str, opening: str) -> str | None:
+    """The text of a JSON string that `text` opens with `opening`, as far as
+    it was written before the text ends."""
+    text = text.strip()
+    if not text.startswith(opening):
+        return None
+    rest = text[len(opening):]
+    for end in range(len(rest), max(len(rest) - 8, -1), -1):  # an escape may be cut in half
+        try:
+            return json.loads('"' + rest[:end] + '"')
+        except ValueError:
+            continue
+    return None
+
+
 def _repeat(call: str, separator: str, parallel: bool) -> str:
     return f"start: {call}" + (f" ({lark_string(separator)} {call})*" if parallel else "")
 
@@ -120,6 +135,9 @@ class GenericFormat(ToolCallFormat):
             calls = _calls_from(_complete_items(text, '{"tool_calls": ['))
             if calls:
                 return ParsedOutput(None, calls)
+            answer = _string_prefix(text, '{"response": "')
+            if answer is not None:  # and an answer cut short is still the answer
+                return ParsedOutput(answer or None, [])
         if isinstance(obj, dict):
             if isinstance(obj.get("tool_calls"), list):
                 calls = _calls_from(obj["tool_calls"])

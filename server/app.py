@@ -35,6 +35,7 @@ from lockgate.server.middlewares import (
     set_cors_headers,
     set_request_id_header,
 )
+from lockgate.server.responses_api import RESPONSE_STORE, ResponseStore, responses_routes
 from lockgate.server.routes import routes, v1_routes
 
 log = structlog.get_logger("lockgate.server")
@@ -70,6 +71,8 @@ def create_app(
         middlewares=[count_requests_middleware, api_key_middleware], client_max_size=settings.max_body_size
     )
     api.add_routes(v1_routes)
+    api.add_routes(responses_routes)
+    app[RESPONSE_STORE] = ResponseStore(settings.responses_store_size)
     app.add_subapp("/v1", api)
     app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))
     return app

@@ -33,6 +33,7 @@ RECORDED = [
     ("generic", "Just some text.", "Just some text.", []),
     ("generic", '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "argum',  # cut short
      None, [("add", {"a": 1, "b": 2})]),
+    ("generic", '{"response": "It is 4 \\u00b0C and sn', "It is 4 \u00b0C and sn", []),  # cut short
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      None, [("get_weather", {"city": "Paris"})]),
     ("hermes", 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'

@@ -638,17 +638,19 @@ class ChatRequest(GenerationRequest):
         answered: set[str] = set()
         for i, message in enumerate(self.messages):
             answered.update(c.id for c in message.tool_calls)
-            raw = self.body["messages"][i]
-            if message.role == "tool" and raw.get("role") == "tool":
-                if message.tool_call_id is None:
-                    raise InvalidRequestError(
-                        f"messages[{i}].tool_call_id is required in a tool message", param=f"messages[{i}].tool_call_id"
-                    )
-                if message.tool_call_id not in answered:
-                    raise InvalidRequestError(
-                        f"messages[{i}].tool_call_id {message.tool_call_id!r} answers no earlier tool call",
-                        param=f"messages[{i}].tool_call_id",
-                    )
+            if message.role != "tool" or (message.tool_call_id is None and message.name is not None):
+                continue  # a legacy `function` message names its function, not a call
+            where = self._tool_result_param(i)
+            if message.tool_call_id is None:
+                raise InvalidRequestError(f"{where} is required in a tool message", param=where)
+            if message.tool_call_id not in answered:
+                raise InvalidRequestError(
+                    f"{where} {message.tool_call_id!r} answers no earlier tool call", param=where
+                )
+
+    def _tool_result_param(self, index: int) -> str:
+        """The field that names the call the tool result at message `index` answers."""
+        return f"messages[{index}].tool_call_id"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

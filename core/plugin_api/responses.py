@@ -1,0 +1,267 @@
+"""The Responses API's request, typed: one more protocol mapping onto the
+chat request the hooks already know.
+
+A `POST /v1/responses` body becomes a `ResponsesRequest`, a `ChatRequest`
+whose `messages` were built from `instructions`, the stored conversation of
+`previous_response_id` and `input`, whose `tools` came from the Responses
+tool shape, and whose `response_format` from `text.format`. A plugin sees
+it exactly as a chat request (`request.endpoint` says "responses"); the
+Responses-only fields (`store`, `previous_response_id`, `metadata`,
+`instructions`) are on it too. Every parse error names the Responses field
+(`input[2].content[0].text`, `tools[0].type`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from lockgate.errors import InvalidRequestError, UnsupportedParameter
+from lockgate.plugin_api.request import (
+    ChatRequest,
+    Message,
+    OutputFormat,
+    _object,
+    boolean,
+    integer,
+    json_type,
+    read_response_format,
+    read_tools,
+    string,
+)
+from lockgate.plugin_api.tool_calls import ToolCall
+
+RESPONSES_ENDPOINT = "responses"
+
+#: Responses fields this server cannot honour when they ask for something
+#: (null, false or empty is accepted): refused, never silently ignored
+REFUSED_WHEN_SET = ("background", "conversation", "prompt", "include", "reasoning", "max_tool_calls",
+                    "prompt_cache_key", "safety_identifier")
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+MAX_METADATA_KEYS = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResponsesRequest(ChatRequest):
+    """A `POST /v1/responses` body, as a chat request plus what only the
+    Responses API has."""
+
+    endpoint: ClassVar[str] = RESPONSES_ENDPOINT
+    prompt_field: ClassVar[str] = "input"
+
+    instructions: str | None = None
+    #: keep the response (and its conversation) for `previous_response_id`
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: the conversation before this request's `input` (from `previous_response_id`)
+    history: tuple[Message, ...] = ()
+    #: the messages this request's `input` added
+    input_messages: tuple[Message, ...] = ()
+
+    @property
+    def is_chat(self) -> bool:
+        return True
+
+    def _tool_result_param(self, index: int) -> str:
+        # messages are instructions, history, then input: name the input item
+        offset = len(self.messages) - len(self.input_messages)
+        return f"input[{index - offset}].call_id" if index >= offset else "previous_response_id"
+
+    def param_for(self, subject: str) -> str:
+        if subject == "max_tokens":
+            return "max_output_tokens"
+        if subject == "schema":
+            return "text.format"
+        return super().param_for(subject)
+
+
+def read_input(value: Any, where: str) -> tuple[Message, ...]:
+    """`input`: a string (one user message) or a list of items."""
+    if isinstance(value, str):
+        return (Message("user", value),)
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError(f"{where} must be a string or a non-empty array of items", param=where)
+    messages: list[Message] = []
+    for i, item in enumerate(value):
+        at = f"{where}[{i}]"
+        item = _object(item, at)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            messages.append(_message(item, at))
+        elif kind == "function_call":
+            call = _function_call(item, at)
+            if messages and messages[-1].role == "assistant" and (messages[-1].tool_calls or not messages[-1].content):
+                last = messages.pop()  # consecutive calls are one assistant turn
+                messages.append(dataclasses.replace(last, tool_calls=(*last.tool_calls, call)))
+            else:
+                messages.append(Message("assistant", "", tool_calls=(call,)))
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            string(call_id, f"{at}.call_id")
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text_parts(output, f"{at}.output")
+            messages.append(Message("tool", text, tool_call_id=call_id))
+        else:
+            raise UnsupportedParameter(
+                f"{at}.type {json.dumps(kind)[:40]} is not supported: this server reads messages, "
+                "function_call and function_call_output items",
+                param=f"{at}.type",
+            )
+    return tuple(messages)
+
+
+def _message(item: Mapping[str, Any], where: str) -> Message:
+    role = item.get("role")
+    if role not in MESSAGE_ROLES:
+        raise InvalidRequestError(
+            f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", param=f"{where}.role"
+        )
+    content = item.get("content")
+    text = content if isinstance(content, str) else _text_parts(content, f"{where}.content")
+    return Message("system" if role == "developer" else role, text)
+
+
+def _text_parts(value: Any, where: str) -> str:
+    if not isinstance(value, list):
+        raise InvalidRequestError(
+            f"{where} must be a string or an array of text parts, not {json_type(value)}", param=where
+        )
+    texts = []
+    for j, part in enumerate(value):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else json_type(part)
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(
+                f"{at} must be a text part ({{\"type\": \"input_text\", \"text\": ...}}); "
+                f"this model reads text only, got {kind!r}",
+                param=at,
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _function_call(item: Mapping[str, Any], where: str) -> ToolCall:
+    for key in ("call_id", "name"):
+        if not isinstance(item.get(key), str) or not item[key]:
+            raise InvalidRequestError(f"{where}.{key} must be a non-empty string", param=f"{where}.{key}")
+    arguments = item.get("arguments", "{}")
+    string(arguments, f"{where}.arguments")
+    return ToolCall(item["name"], arguments, id=item["call_id"])
+
+
+def read_responses_tools(value: Any, where: str):
+    """Function tools in the Responses shape, `{"type": "function", "name",
+    "description", "parameters", "strict"}`; a tool this server cannot run
+    (web_search, file_search, computer_use, mcp, ...) is refused by name."""
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
+    as_chat = []
+    for i, tool in enumerate(value):
+        tool = _object(tool, f"{where}[{i}]")
+        if tool.get("type") != "function":
+            raise UnsupportedParameter(
+                f"{where}[{i}].type {json.dumps(tool.get('type'))[:40]} is not supported: this server runs "
+                "no built-in tools; declare functions and run them yourself",
+                param=f"{where}[{i}].type",
+            )
+        function = {k: v for k, v in tool.items() if k != "type"}
+        as_chat.append({"type": "function", "function": function})
+    try:
+        return read_tools(as_chat, where)
+    except InvalidRequestError as exc:  # tools[i].function.name -> tools[i].name
+        exc.param = exc.param.replace(".function", "") if exc.param else exc.param
+        exc.message = exc.message.replace(".function", "")
+        raise
+
+
+def read_responses_tool_choice(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise InvalidRequestError(f"{where} must be none, auto, required or name a function", param=where)
+        return value
+    choice = _object(value, where)
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise UnsupportedParameter(
+            f"{where} must be {{\"type\": \"function\", \"name\": ...}} on this server", param=where
+        )
+    return "function:" + choice["name"]
+
+
+def read_text(value: Any, where: str) -> OutputFormat | None:
+    """`text`: `{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}`."""
+    text = _object(value, where)
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    fmt = _object(fmt, f"{where}.format")
+    if fmt.get("type") == "json_schema":  # the chat shape nests the schema one level deeper
+        spec = {k: v for k, v in fmt.items() if k != "type"}
+        fmt = {"type": "json_schema", "json_schema": spec}
+    return read_response_format(fmt, f"{where}.format")
+
+
+def read_metadata(value: Any, where: str) -> dict[str, str]:
+    metadata = _object(value, where)
+    if len(metadata) > MAX_METADATA_KEYS or not all(
+        isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()
+    ):
+        raise InvalidRequestError(
+            f"{where} holds at most {MAX_METADATA_KEYS} string values (keys up to 64 characters, values up to 512)",
+            param=where,
+        )
+    return dict(metadata)
+
+
+def parse_responses_request(
+    body: Mapping[str, Any], *, request_id: str, history: Sequence[Message] = ()
+) -> ResponsesRequest:
+    """Read a Responses body; `history` is the stored conversation of its
+    `previous_response_id` (the caller looks it up).
+
+    :raises InvalidRequestError: (400) naming the Responses field at fault.
+    """
+    for name in REFUSED_WHEN_SET:
+        if body.get(name) not in (None, False, [], {}, ""):
+            raise UnsupportedParameter(f"{name} is not supported by this server", param=name)
+    if body.get("truncation") not in (None, "disabled"):
+        raise UnsupportedParameter("truncation other than 'disabled' is not supported", param="truncation")
+    if "input" not in body or body["input"] is None:
+        raise InvalidRequestError("input is required", param="input")
+    input_messages = read_input(body["input"], "input")
+    instructions = body.get("instructions")
+    if instructions is not None:
+        string(instructions, "instructions")
+    # instructions are this request's only: a previous response's are not carried over
+    system = (Message("system", instructions),) if instructions else ()
+    values: dict[str, Any] = {
+        "messages": (*system, *history, *input_messages),
+        "history": tuple(history),
+        "input_messages": input_messages,
+        "instructions": instructions,
+    }
+    readers = {
+        "model": string, "stream": boolean, "temperature": None, "top_p": None, "seed": None, "user": string,
+        "store": boolean, "previous_response_id": string, "parallel_tool_calls": boolean,
+        "top_k": None, "min_p": None, "repetition_penalty": None, "ignore_eos": boolean,
+        "presence_penalty": None, "frequency_penalty": None, "stop": None, "logit_bias": None,
+    }
+    numeric = {f.name: f.metadata.get("reader") for f in dataclasses.fields(ChatRequest) if f.metadata.get("reader")}
+    for name, reader in readers.items():
+        if body.get(name) is not None:
+            values[name] = (reader or numeric[name])(body[name], name)
+    if body.get("max_output_tokens") is not None:
+        values["max_tokens"] = integer(1)(body["max_output_tokens"], "max_output_tokens")
+    if body.get("tools") is not None:
+        values["tools"] = read_responses_tools(body["tools"], "tools")
+    if body.get("tool_choice") is not None:
+        values["tool_choice"] = read_responses_tool_choice(body["tool_choice"], "tool_choice")
+    if body.get("text") is not None:
+        values["response_format"] = read_text(body["text"], "text")
+    if body.get("metadata") is not None:
+        values["metadata"] = read_metadata(body["metadata"], "metadata")
+    request = ResponsesRequest(id=request_id, body=body, **values)
+    request._check_combinations()
+    return request

@@ -1,0 +1,312 @@
+"""The OpenAI Responses API: `POST /v1/responses` (whole or streamed as
+typed events), `GET` and `DELETE /v1/responses/{id}`, and the in-memory
+store that `previous_response_id` continues from.
+
+A Responses body is typed by `lockgate.plugin_api.responses` into a chat
+request and runs through the same pipeline and engine as chat; this module
+only speaks the Responses shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import json
+import secrets
+import time
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from lockgate.errors import LockgateError
+from lockgate.plugin_api.pipeline import run_pipeline
+from lockgate.plugin_api.request import Message, string
+from lockgate.plugin_api.responses import ResponsesRequest, parse_responses_request
+from lockgate.plugin_api.tool_calls import ToolCall
+from lockgate.server.keys import MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, USAGE
+from lockgate.server.protocol import error_response, read_json_body
+from lockgate.server.routes import STREAM_WRITE_TIMEOUT_SECONDS, _close_connection, _MergedDeltas, _usage
+
+log = structlog.get_logger("lockgate.server")
+
+responses_routes = web.RouteTableDef()
+
+
+class ResponseNotFound(LockgateError):
+    """A response id this server does not hold (never stored, evicted, or
+    stored with another API key) (404)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "response_not_found"
+
+
+@dataclasses.dataclass
+class StoredResponse:
+    body: dict[str, Any]
+    #: the conversation it ended (without its instructions), for `previous_response_id`
+    conversation: tuple[Message, ...]
+    owner: str | None
+
+
+class ResponseStore:
+    """Responses kept for `previous_response_id` and `GET /v1/responses/{id}`:
+    at most `capacity`, least recently used out, in memory (lost on restart)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        if self.capacity <= 0:
+            return
+        self._items[response_id] = stored
+        self._items.move_to_end(response_id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str, owner: str | None, *, param: str | None) -> StoredResponse:
+        stored = self._items.get(response_id)
+        if stored is None or stored.owner != owner:
+            raise ResponseNotFound(
+                f"No response with id '{response_id}' is stored here (it was never stored, was created with "
+                "store: false or another API key, or has been evicted or deleted)",
+                param=param,
+            )
+        self._items.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str, owner: str | None) -> None:
+        self.get(response_id, owner, param=None)
+        del self._items[response_id]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
+
+
+def owner_of(request: web.Request) -> str | None:
+    """Who may see a stored response: a digest of the API key it was made with."""
+    header = request.headers.get("Authorization", "")
+    return hashlib.sha256(header.encode("utf-8", "surrogateescape")).hexdigest() if header else None
+
+
+class ResponseBuilder:
+    """The response object and its output items for one request."""
+
+    def __init__(self, typed: ResponsesRequest, model_name: str) -> None:
+        self.typed = typed
+        self.id = "resp_" + secrets.token_hex(16)
+        self.model = model_name
+        self.created_at = int(time.time())
+
+    def envelope(self, status: str, output: list[dict[str, Any]], usage=None, *,
+                 incomplete: str | None = None, error: dict | None = None) -> dict[str, Any]:
+        body = self.typed.body
+        text_format = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": error,
+            "incomplete_details": None if incomplete is None else {"reason": incomplete},
+            "instructions": self.typed.instructions,
+            "max_output_tokens": self.typed.max_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": self.typed.parallel_tool_calls,
+            "previous_response_id": self.typed.previous_response_id,
+            "store": self.typed.store,
+            "temperature": self.typed.temperature,
+            "text": {"format": text_format or {"type": "text"}},
+            "tool_choice": body.get("tool_choice") or "auto",
+            "tools": body.get("tools") or [],
+            "top_p": self.typed.top_p,
+            "truncation": "disabled",
+            "usage": None if usage is None else {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.total_tokens,
+            },
+            "metadata": dict(self.typed.metadata),
+            "user": self.typed.user,
+        }
+
+    @staticmethod
+    def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": []}]
+        return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def call_item(item_id: str, call: ToolCall, arguments: str | None = None, status: str = "completed"):
+        return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+                "arguments": call.arguments if arguments is None else arguments, "status": status}
+
+
+def _outcome(text: str | None, calls: list[ToolCall], finish_reason: str | None) -> tuple[str, str | None]:
+    if finish_reason == "length" and not calls:
+        return "incomplete", "max_output_tokens"
+    return "completed", None
+
+
+def _conversation(typed: ResponsesRequest, text: str | None, calls: list[ToolCall]) -> tuple[Message, ...]:
+    answer = Message("assistant", text or "", tool_calls=tuple(calls))
+    return (*typed.history, *typed.input_messages, answer)
+
+
+@responses_routes.post("/responses")
+async def create_response(request: web.Request) -> web.StreamResponse:
+    body = await read_json_body(request)
+    model = request.config_dict[MODELS].resolve(body.get("model"))
+    store = request.config_dict[RESPONSE_STORE]
+    owner = owner_of(request)
+    history: tuple[Message, ...] = ()
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        string(previous, "previous_response_id")
+        history = store.get(previous, owner, param="previous_response_id").conversation
+    typed = parse_responses_request(body, request_id=request[REQUEST_ID], history=history)
+    request[PIPELINE_REQUEST] = typed
+    handles = await run_pipeline(request.config_dict[PLUGIN_MANAGER], typed, model)
+    tool_format = model.tool_call_format if typed.reads_tool_output else None
+    builder = ResponseBuilder(typed, model.name)
+    try:
+        if typed.stream:
+            return await _stream(request, typed, handles, builder, tool_format, store, owner)
+        text, finish_reason = "", None
+        async for _, delta in _MergedDeltas(request, handles):
+            text += delta.text
+            finish_reason = delta.finish_reason or finish_reason
+        calls: list[ToolCall] = []
+        if tool_format is not None:
+            parsed = tool_format.parse(text)
+            text, calls = parsed.content or "", parsed.calls
+        output = ([builder.message_item("msg_" + secrets.token_hex(12), text)] if text or not calls else [])
+        output += [builder.call_item("fc_" + secrets.token_hex(12), call) for call in calls]
+        status, incomplete = _outcome(text, calls, finish_reason)
+        answer = builder.envelope(status, output, _usage(handles), incomplete=incomplete)
+        if typed.store:
+            store.put(builder.id, StoredResponse(answer, _conversation(typed, text, calls), owner))
+        return web.json_response(answer)
+    except ConnectionResetError:
+        return web.Response(status=499)
+    finally:
+        request[USAGE] = _usage(handles)
+        for handle in handles:
+            handle.abort()
+
+
+async def _stream(request, typed, handles, builder: ResponseBuilder, tool_format, store, owner):
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response.enable_chunked_encoding()
+    deltas = _MergedDeltas(request, handles, backlog_limit=512)
+    await response.prepare(request)
+    sequence = 0
+
+    async def emit(kind: str, **fields) -> None:
+        nonlocal sequence
+        event = {"type": kind, "sequence_number": sequence, **fields}
+        sequence += 1
+        data = f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+        try:
+            await asyncio.wait_for(response.write(data), STREAM_WRITE_TIMEOUT_SECONDS)
+        except TimeoutError:
+            _close_connection(request)
+            raise ConnectionResetError("the client stopped reading") from None
+
+    message_id, text_sent = "msg_" + secrets.token_hex(12), ""
+    output: list[dict[str, Any]] = []
+
+    async def text_out(piece: str) -> None:
+        nonlocal text_sent
+        if not piece:
+            return
+        if not text_sent:
+            await emit("response.output_item.added", output_index=0,
+                       item=builder.message_item(message_id, "", "in_progress"))
+            await emit("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                       part={"type": "output_text", "text": "", "annotations": []})
+        text_sent += piece
+        await emit("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                   delta=piece, logprobs=[])
+
+    try:
+        await emit("response.created", response=builder.envelope("in_progress", []))
+        await emit("response.in_progress", response=builder.envelope("in_progress", []))
+        reader = None if tool_format is None else tool_format.stream()
+        finish_reason, calls = None, []
+        async for _, delta in deltas:
+            await text_out(delta.text if reader is None else reader.feed(delta.text))
+            if delta.finish_reason is not None:
+                finish_reason = delta.finish_reason
+                if reader is not None:
+                    parsed = reader.finish()
+                    await text_out(parsed.content or "")
+                    calls = parsed.calls
+        if text_sent or not calls:
+            if not text_sent:  # an empty answer is still one message
+                await emit("response.output_item.added", output_index=0,
+                           item=builder.message_item(message_id, "", "in_progress"))
+                await emit("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                           part={"type": "output_text", "text": "", "annotations": []})
+            part = {"type": "output_text", "text": text_sent, "annotations": []}
+            await emit("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
+                       text=text_sent, logprobs=[])
+            await emit("response.content_part.done", item_id=message_id, output_index=0, content_index=0, part=part)
+            output.append(builder.message_item(message_id, text_sent))
+            await emit("response.output_item.done", output_index=0, item=output[-1])
+        for call in calls:
+            index, item_id = len(output), "fc_" + secrets.token_hex(12)
+            await emit("response.output_item.added", output_index=index,
+                       item=builder.call_item(item_id, call, "", "in_progress"))
+            await emit("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                       delta=call.arguments)
+            await emit("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                       arguments=call.arguments, name=call.name)
+            output.append(builder.call_item(item_id, call))
+            await emit("response.output_item.done", output_index=index, item=output[-1])
+        status, incomplete = _outcome(text_sent, calls, finish_reason)
+        final = builder.envelope(status, output, _usage(handles), incomplete=incomplete)
+        if typed.store:
+            store.put(builder.id, StoredResponse(final, _conversation(typed, text_sent, calls), owner))
+        await emit("response.completed" if status == "completed" else "response.incomplete", response=final)
+    except ConnectionResetError:
+        log.info("client disconnected mid-stream")
+        return response
+    except Exception as exc:
+        # headers are gone: the failure is an event of the stream
+        answer = error_response(request, exc)
+        failed = builder.envelope("failed", output, error={"code": answer.code or answer.type, "message": answer.message})
+        try:
+            await emit("response.failed", response=failed)
+        except ConnectionResetError:
+            return response
+    finally:
+        deltas.close()
+    try:
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
+    return response
+
+
+@responses_routes.get("/responses/{response_id}")
+async def get_response(request: web.Request) -> web.Response:
+    stored = request.config_dict[RESPONSE_STORE].get(request.match_info["response_id"], owner_of(request),
+                                                     param="response_id")
+    return web.json_response(stored.body)
+
+
+@responses_routes.delete("/responses/{response_id}")
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    request.config_dict[RESPONSE_STORE].delete(response_id, owner_of(request))
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})

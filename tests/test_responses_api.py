@@ -1,0 +1,187 @@
+"""`/v1/responses` through the openai SDK: the default model for what it
+says, the tiny model for the store, key isolation and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture
+async def client(default_model, make_openai):
+    return await make_openai(default_model)
+
+
+@pytest.mark.default_model
+async def test_a_string_input_and_an_item_list(client):
+    answer = await client.responses.create(
+        model="smollm2", input="What is the capital of France?", max_output_tokens=30, temperature=0
+    )
+    assert answer.status == "completed" and answer.id.startswith("resp_") and answer.object == "response"
+    assert "Paris" in answer.output_text
+    assert answer.usage.input_tokens > 0 and answer.usage.output_tokens > 0
+    assert answer.usage.total_tokens == answer.usage.input_tokens + answer.usage.output_tokens
+    items = await client.responses.create(
+        model="smollm2", temperature=0, max_output_tokens=30, instructions="Answer in one sentence.",
+        input=[{"role": "developer", "content": "Be brief."},
+               {"role": "user", "content": [{"type": "input_text", "text": "What is the capital of France?"}]}],
+    )
+    assert items.status == "completed" and items.output_text and items.instructions == "Answer in one sentence."
+
+
+@pytest.mark.default_model
+async def test_max_output_tokens_makes_it_incomplete(client):
+    answer = await client.responses.create(model="smollm2", input="Tell me a long story.", max_output_tokens=5)
+    assert answer.status == "incomplete" and answer.incomplete_details.reason == "max_output_tokens"
+    assert answer.usage.output_tokens == 5
+
+
+@pytest.mark.default_model
+async def test_text_format_json_schema_validates(client):
+    answer = await client.responses.create(
+        model="smollm2", input="Describe a person as JSON.", max_output_tokens=60, temperature=0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+    )
+    jsonschema.validate(json.loads(answer.output_text), PERSON)
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+
+
+@pytest.mark.default_model
+async def test_parse_with_a_pydantic_model(client):
+    answer = await client.responses.parse(
+        model="smollm2", input="Describe a person.", text_format=Person, max_output_tokens=60, temperature=0
+    )
+    assert isinstance(answer.output_parsed, Person)
+
+
+@pytest.mark.default_model
+async def test_a_function_call_then_its_output_then_an_answer(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = await client.responses.create(
+        model="smollm2", input=ask, tools=[WEATHER], tool_choice="required", max_output_tokens=60, temperature=0,
+        parallel_tool_calls=False,
+    )
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, cloudy"}
+    # the whole history sent again
+    again = await client.responses.create(
+        model="smollm2", tools=[WEATHER], tool_choice="none", max_output_tokens=40, temperature=0,
+        input=[*ask, {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                      "arguments": call.arguments}, result],
+    )
+    # an answer, read back out of the format's envelope (the 135M model may run to the limit)
+    assert again.output_text and not again.output_text.startswith("{")
+    assert not [item for item in again.output if item.type == "function_call"]
+    # or continued from the stored response
+    continued = await client.responses.create(
+        model="smollm2", tools=[WEATHER], tool_choice="none", max_output_tokens=40, temperature=0,
+        previous_response_id=called.id, input=[result],
+    )
+    assert continued.output_text == again.output_text
+    assert continued.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.default_model
+async def test_a_stream_has_the_events_in_order_and_they_add_up(client):
+    async with client.responses.stream(
+        model="smollm2", input="Say hello.", max_output_tokens=40, temperature=0
+    ) as stream:
+        events = [event async for event in stream]
+        final = await stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text and text
+    whole = await client.responses.create(model="smollm2", input="Say hello.", max_output_tokens=40, temperature=0)
+    assert whole.output_text == text
+
+
+@pytest.mark.default_model
+async def test_a_streamed_function_call(client):
+    async with client.responses.stream(
+        model="smollm2", input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
+        max_output_tokens=60, temperature=0, parallel_tool_calls=False,
+    ) as stream:
+        events = [event async for event in stream]
+        final = await stream.get_final_response()
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    assert arguments == call.arguments
+    jsonschema.validate(json.loads(arguments), WEATHER["parameters"])
+
+
+# ------------------------------------------------------------------ store, keys, refusals (tiny model)
+
+
+async def test_the_store_keeps_responses_for_their_key_only(tiny_model, make_client):
+    client = await make_client(tiny_model, api_keys=("key-a", "key-b"), responses_store_size=2)
+
+    async def create(key, **body):
+        return await client.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2,
+                                                        **body}, headers={"Authorization": f"Bearer {key}"})
+
+    first = await (await create("key-a")).json()
+    assert (await client.get(f"/v1/responses/{first['id']}", headers={"Authorization": "Bearer key-a"})).status == 200
+    other = await client.get(f"/v1/responses/{first['id']}", headers={"Authorization": "Bearer key-b"})
+    assert other.status == 404 and (await other.json())["error"]["code"] == "response_not_found"
+    refused = await create("key-b", previous_response_id=first["id"])
+    assert refused.status == 404 and (await refused.json())["error"]["param"] == "previous_response_id"
+    # store: false keeps nothing; a full store drops the least recently used
+    unstored = await (await create("key-a", store=False)).json()
+    assert (await client.get(f"/v1/responses/{unstored['id']}",
+                             headers={"Authorization": "Bearer key-a"})).status == 404
+    later = [await (await create("key-a")).json() for _ in range(2)]
+    assert (await client.get(f"/v1/responses/{first['id']}", headers={"Authorization": "Bearer key-a"})).status == 404
+    deleted = await client.delete(f"/v1/responses/{later[0]['id']}", headers={"Authorization": "Bearer key-a"})
+    assert deleted.status == 200 and (await deleted.json())["deleted"] is True
+    assert (await client.get(f"/v1/responses/{later[0]['id']}",
+                             headers={"Authorization": "Bearer key-a"})).status == 404
+
+
+BAD = [
+    ({}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "reasoning"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "previous_response_id": "resp_missing"}, "previous_response_id"),
+    ({"input": "x", "metadata": {"k": 1}}, "metadata"),
+    ({"input": "x", "temperature": 3}, "temperature"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body, param", BAD)
+async def test_malformed_bodies_are_400s_naming_the_field(tiny_model, make_client, body, param, stream):
+    client = await make_client(tiny_model)
+    response = await client.post("/v1/responses", json={"model": "tiny", "stream": stream, **body})
+    assert response.status in (400, 404), await response.text()
+    error = (await response.json())["error"]
+    assert error["param"] == param
+    assert set(error) == {"message", "type", "param", "code"}
