@@ -399,8 +399,9 @@ def read_tool_choice(value: Any, where: str) -> str:
     return "function:" + name
 
 
-def _content(value: Any, where: str) -> str:
-    """A message's content as text: a string, or its text parts joined."""
+def _content(value: Any, where: str, part_types: tuple[str, ...] = ("text",)) -> str:
+    """A message's content as text: a string, or its text parts (of one of
+    `part_types`) joined."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -410,10 +411,10 @@ def _content(value: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(value):
         part_where = f"{where}[{j}]"
-        if not isinstance(part, dict) or part.get("type") != "text":
+        if not isinstance(part, dict) or part.get("type") not in part_types:
             kind = part.get("type") if isinstance(part, dict) else json_type(part)
             raise InvalidRequestError(
-                f'{part_where} must be a text part ({{"type": "text", "text": ...}}); '
+                f'{part_where} must be a text part ({{"type": "{part_types[0]}", "text": ...}}); '
                 f"this model reads text only, got {kind!r}",
                 param=part_where,
             )

@@ -23,6 +23,7 @@ from lockgate.plugin_api.request import (
     ChatRequest,
     Message,
     OutputFormat,
+    _content,
     _object,
     boolean,
     integer,
@@ -101,8 +102,7 @@ def read_input(value: Any, where: str) -> tuple[Message, ...]:
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             string(call_id, f"{at}.call_id")
-            output = item.get("output")
-            text = output if isinstance(output, str) else _text_parts(output, f"{at}.output")
+            text = _text_parts(item.get("output"), f"{at}.output")
             messages.append(Message("tool", text, tool_call_id=call_id))
         else:
             raise UnsupportedParameter(
@@ -119,28 +119,12 @@ def _message(item: Mapping[str, Any], where: str) -> Message:
         raise InvalidRequestError(
             f"{where}.role must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}", param=f"{where}.role"
         )
-    content = item.get("content")
-    text = content if isinstance(content, str) else _text_parts(content, f"{where}.content")
+    text = _text_parts(item.get("content"), f"{where}.content")
     return Message("system" if role == "developer" else role, text)
 
 
 def _text_parts(value: Any, where: str) -> str:
-    if not isinstance(value, list):
-        raise InvalidRequestError(
-            f"{where} must be a string or an array of text parts, not {json_type(value)}", param=where
-        )
-    texts = []
-    for j, part in enumerate(value):
-        at = f"{where}[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else json_type(part)
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise InvalidRequestError(
-                f"{at} must be a text part ({{\"type\": \"input_text\", \"text\": ...}}); "
-                f"this model reads text only, got {kind!r}",
-                param=at,
-            )
-        texts.append(part["text"])
-    return "".join(texts)
+    return _content(value, where, part_types=("input_text", "output_text", "text"))
 
 
 def _function_call(item: Mapping[str, Any], where: str) -> ToolCall:
