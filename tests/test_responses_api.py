@@ -3,10 +3,11 @@ says, the tiny model for the store, key isolation and refusals."""
 
 from __future__ import annotations
 
+import collections
 import json
+import random
 
 import jsonschema
-import openai
 import pydantic
 import pytest
 
@@ -185,3 +186,62 @@ async def test_malformed_bodies_are_400s_naming_the_field(tiny_model, make_clien
     error = (await response.json())["error"]
     assert error["param"] == param
     assert set(error) == {"message", "type", "param", "code"}
+
+
+# ------------------------------------------------------------------ generated bodies
+
+ODD_VALUES = [None, True, 0, -1, 2**70, 1.5, float("1e300"), "", "x" * 300, "\u0000", [], [None], {}, {"a": {}},
+              [{"type": "function"}], [{"role": "user"}], {"format": None}, {"format": {"type": "json_schema"}}]
+
+
+def generated_body(rng: random.Random) -> dict:
+    """A Responses body: valid parts put together at random, then maybe one
+    field (present or not) given an odd value."""
+    text = rng.choice(["hi", "", "What is the weather in Oslo?", "ü" * 20])
+    items = [
+        {"role": "user", "content": text},
+        {"role": "developer", "content": [{"type": "input_text", "text": text}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": text}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": rng.choice(["c1", "c2"]), "output": text},
+    ]
+    body = {"model": "tiny", "max_output_tokens": rng.randint(1, 6),
+            "input": text if rng.random() < 0.3 else rng.sample(items, rng.randint(1, len(items)))}
+    optional = {
+        "instructions": text, "temperature": rng.uniform(0, 2), "top_p": rng.uniform(0.01, 1),
+        "tools": [WEATHER], "tool_choice": rng.choice(["auto", "none", "required"]),
+        "parallel_tool_calls": rng.random() < 0.5, "store": rng.random() < 0.5, "metadata": {"k": "v"},
+        "text": rng.choice([{"format": {"type": "json_object"}}, {"format": {"type": "text"}},
+                            {"format": {"type": "json_schema", "name": "p", "schema": PERSON}}]),
+        "stream": rng.random() < 0.5, "user": text,
+    }
+    for name in rng.sample(sorted(optional), rng.randint(0, 4)):
+        body[name] = optional[name]
+    if rng.random() < 0.5:
+        name = rng.choice(sorted(body) + ["previous_response_id", "truncation", "include", "reasoning"])
+        body[name] = rng.choice(ODD_VALUES)
+    return body
+
+
+async def test_no_generated_responses_body_gets_a_5xx(tiny_model, make_client):
+    client = await make_client(tiny_model)
+    rng = random.Random(20261130)
+    outcomes = collections.Counter()
+    for _ in range(150):
+        body = generated_body(rng)
+        response = await client.post("/v1/responses", json=body)
+        text = await response.text()
+        assert response.status < 500, (body, text)
+        outcomes[response.status] += 1
+        if response.status >= 400:
+            error = json.loads(text)["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["type"] != "server_error", text
+        elif response.content_type == "text/event-stream":
+            events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+            assert events[0]["type"] == "response.created", text[:300]
+            assert events[-1]["type"] in ("response.completed", "response.incomplete"), (body, text[-500:])
+            assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        else:
+            assert json.loads(text)["object"] == "response"
+    # both kinds of answer were exercised
+    assert outcomes[200] > 20 and sum(n for status, n in outcomes.items() if status >= 400) > 20, outcomes
