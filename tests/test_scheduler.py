@@ -400,3 +400,28 @@ def test_forks_aborts_and_preemptions_with_cached_prefixes_leak_no_page(tokenize
     assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages
     engine.scheduler.remove_all()
     assert executor.free_pages() == executor.total_pages
+
+
+def test_a_burst_with_one_system_prompt_prefills_it_once(tokenizer):
+    """Requests that arrive together with one long shared prefix: the first
+    prefills it, the others wait the few steps that takes and fork from it."""
+    executor = FakeExecutor(page_size=4, total_pages=64, prefill_chunk_size=16, max_sequence_length=128)
+    engine = engine_on(executor, tokenizer, prefix_cache=True, max_num_batched_tokens=16)
+    system = list(range(100, 140))  # 40 tokens: three steps of prefill at 16 a step
+    handles = [engine.add(Work(str(i), system + [200 + i], greedy(2))) for i in range(3)]
+    states = list(engine.scheduler.waiting)
+    run_to_completion(engine)
+    assert [h.usage.cached_tokens for h in handles] == [0, 40, 40]
+    assert prefilled(executor, 0) == 41  # the others' last prompt token goes in as a decode row
+    for state, handle in zip(states, handles):
+        prompt = system + [200 + int(handle.request_id)]
+        assert state.choices[0].output_ids == expected_greedy(executor, prompt, 2)
+
+
+def test_without_the_cache_a_burst_is_not_held_back(tokenizer):
+    executor = FakeExecutor(page_size=4, total_pages=64, prefill_chunk_size=16, max_sequence_length=128)
+    engine = engine_on(executor, tokenizer, prefix_cache=False, max_num_batched_tokens=48)
+    for i in range(3):
+        engine.add(Work(str(i), list(range(100, 140)) + [200 + i], greedy(2)))
+    engine.step()
+    assert len(engine.scheduler.running) == 3

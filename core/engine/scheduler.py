@@ -34,6 +34,7 @@ import itertools
 import math
 from collections.abc import Callable
 
+import numpy as np
 import structlog
 
 from lockgate.engine.prefix_cache import PageBook, PrefixCache, PrefixMatch
@@ -125,6 +126,8 @@ class Scheduler:
             state = self.waiting[0]
             if slots + state.slots > self.kv.max_num_seqs:
                 break
+            if self._prefix_on_its_way(state):
+                break
             first_chunk = min(len(state.prompt_ids), self.step_token_budget)
             need = self.pages(first_chunk) * (len(state.live_choices) if state.forked else 1)
             while need > free and (freed := self._evict_one()) is not None:
@@ -137,6 +140,27 @@ class Scheduler:
             self.running.append(state)
             slots += state.slots
             free -= need
+
+    def _prefix_on_its_way(self, state: RequestState) -> bool:
+        """Whether a running request is still prefilling a prefix of this
+        one's prompt that is longer than any the cache holds: admitted now,
+        it would compute that prefix a second time; a step or two later, it
+        forks from it (a burst of requests with one system prompt)."""
+        if self.cache is None or state.preemptions or not self.running:
+            return False
+        tokens = state.prompt_array
+        cached = self.cache.longest_prefix(tokens, len(tokens) - 1)
+        have = 0 if cached is None else cached.length
+        for other in self.running:
+            first = other.choices[0]
+            if first.kv_len >= len(other.prompt_ids):
+                continue  # its prompt is in: a fork can share it now
+            n = min(len(tokens) - 1, len(other.prompt_array))
+            differs = np.flatnonzero(other.prompt_array[:n] != tokens[:n])
+            common = int(differs[0]) if differs.size else n
+            if common >= self.kv.page_size and common > max(have, first.kv_len):
+                return True
+        return False
 
     def _place(self, choice: Choice) -> None:
         """Give an admitted choice its KV sequence: forked from the longest
