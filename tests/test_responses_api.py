@@ -174,6 +174,8 @@ BAD = [
     ({"input": "x", "previous_response_id": "resp_missing"}, "previous_response_id"),
     ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ({"input": "x", "temperature": 3}, "temperature"),
+    ({"input": "x", "tools": [{**WEATHER, "parameters": {"type": "nonsense"}}]}, "tools[0].parameters"),
+    ({"input": "x", "tools": [WEATHER], "text": {"format": {"type": "json_object"}}}, "text.format"),
 ]
 
 

@@ -132,14 +132,13 @@ def tool_call_params(request: ChatRequest, model: Model) -> dict:
         if lark is not None:
             changes["grammar"] = compile_lark(lark, model.tokenizer, eos_token_ids=model.eos_token_ids)
         return changes
-    field = "tools" if request.tools else "functions"
     for i, tool in enumerate(request.offered_tools):
         try:
             compile_json_schema(
                 tool.parameters, model.tokenizer, strict=tool.strict, eos_token_ids=model.eos_token_ids
             )
         except LockgateError as exc:
-            exc.param = f"{field}[{i}].function.parameters" if field == "tools" else f"{field}[{i}].parameters"
+            exc.param = request.tool_parameters_param(i)
             raise
     choice = request.effective_tool_choice
     required = choice == "required" or choice.startswith("function:")

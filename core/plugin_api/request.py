@@ -634,7 +634,7 @@ class ChatRequest(GenerationRequest):
         if self.uses_tools and self.response_format is not None:
             raise InvalidRequestError(
                 "response_format cannot be combined with tools (unless tool_choice is 'none')",
-                param="response_format", code="unsupported_parameter",
+                param=self.param_for("schema"), code="unsupported_parameter",
             )
         answered: set[str] = set()
         for i, message in enumerate(self.messages):
@@ -652,6 +652,12 @@ class ChatRequest(GenerationRequest):
     def _tool_result_param(self, index: int) -> str:
         """The field that names the call the tool result at message `index` answers."""
         return f"messages[{index}].tool_call_id"
+
+    def tool_parameters_param(self, index: int) -> str:
+        """The field that holds the `index`-th offered tool's parameters schema."""
+        if self.tools:
+            return f"tools[{index}].function.parameters"
+        return f"functions[{index}].parameters"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -71,6 +71,9 @@ class ResponsesRequest(ChatRequest):
         offset = len(self.messages) - len(self.input_messages)
         return f"input[{index - offset}].call_id" if index >= offset else "previous_response_id"
 
+    def tool_parameters_param(self, index: int) -> str:
+        return f"tools[{index}].parameters"
+
     def param_for(self, subject: str) -> str:
         if subject == "max_tokens":
             return "max_output_tokens"
