@@ -9,7 +9,6 @@ only speaks the Responses shapes.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import hashlib
@@ -28,7 +27,7 @@ from lockgate.plugin_api.responses import ResponsesRequest, parse_responses_requ
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.server.keys import MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, USAGE
 from lockgate.server.protocol import error_response, read_json_body
-from lockgate.server.routes import STREAM_WRITE_TIMEOUT_SECONDS, _close_connection, _MergedDeltas, _usage
+from lockgate.server.routes import _MergedDeltas, _usage, end_event_stream, open_event_stream, write_event
 
 log = structlog.get_logger("lockgate.server")
 
@@ -151,15 +150,17 @@ class ResponseBuilder:
                 "arguments": call.arguments if arguments is None else arguments, "status": status}
 
 
-def _outcome(text: str | None, calls: list[ToolCall], finish_reason: str | None) -> tuple[str, str | None]:
-    if finish_reason == "length" and not calls:
-        return "incomplete", "max_output_tokens"
-    return "completed", None
-
-
-def _conversation(typed: ResponsesRequest, text: str | None, calls: list[ToolCall]) -> tuple[Message, ...]:
-    answer = Message("assistant", text or "", tool_calls=tuple(calls))
-    return (*typed.history, *typed.input_messages, answer)
+def _finished(typed: ResponsesRequest, builder: ResponseBuilder, output: list[dict[str, Any]], text: str,
+              calls: list[ToolCall], finish_reason: str | None, handles, store: ResponseStore, owner: str | None):
+    """The final response object (cut short by `max_output_tokens` unless it
+    made calls), kept in the store with its conversation when `store`."""
+    cut_short = finish_reason == "length" and not calls
+    final = builder.envelope("incomplete" if cut_short else "completed", output, _usage(handles),
+                             incomplete="max_output_tokens" if cut_short else None)
+    if typed.store:
+        answer = Message("assistant", text, tool_calls=tuple(calls))
+        store.put(builder.id, StoredResponse(final, (*typed.history, *typed.input_messages, answer), owner))
+    return final
 
 
 @responses_routes.post("/responses")
@@ -191,11 +192,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             text, calls = parsed.content or "", parsed.calls
         output = ([builder.message_item("msg_" + secrets.token_hex(12), text)] if text or not calls else [])
         output += [builder.call_item("fc_" + secrets.token_hex(12), call) for call in calls]
-        status, incomplete = _outcome(text, calls, finish_reason)
-        answer = builder.envelope(status, output, _usage(handles), incomplete=incomplete)
-        if typed.store:
-            store.put(builder.id, StoredResponse(answer, _conversation(typed, text, calls), owner))
-        return web.json_response(answer)
+        return web.json_response(_finished(typed, builder, output, text, calls, finish_reason, handles, store, owner))
     except ConnectionResetError:
         return web.Response(status=499)
     finally:
@@ -205,35 +202,29 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request, typed, handles, builder: ResponseBuilder, tool_format, store, owner):
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    response.enable_chunked_encoding()
-    deltas = _MergedDeltas(request, handles, backlog_limit=512)
-    await response.prepare(request)
+    response, deltas = await open_event_stream(request, handles)
     sequence = 0
 
     async def emit(kind: str, **fields) -> None:
         nonlocal sequence
         event = {"type": kind, "sequence_number": sequence, **fields}
         sequence += 1
-        data = f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
-        try:
-            await asyncio.wait_for(response.write(data), STREAM_WRITE_TIMEOUT_SECONDS)
-        except TimeoutError:
-            _close_connection(request)
-            raise ConnectionResetError("the client stopped reading") from None
+        await write_event(request, response, json.dumps(event, ensure_ascii=False), event=kind)
 
     message_id, text_sent = "msg_" + secrets.token_hex(12), ""
     output: list[dict[str, Any]] = []
+
+    async def open_message() -> None:
+        await emit("response.output_item.added", output_index=0, item=builder.message_item(message_id, "", "in_progress"))
+        await emit("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                   part={"type": "output_text", "text": "", "annotations": []})
 
     async def text_out(piece: str) -> None:
         nonlocal text_sent
         if not piece:
             return
         if not text_sent:
-            await emit("response.output_item.added", output_index=0,
-                       item=builder.message_item(message_id, "", "in_progress"))
-            await emit("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                       part={"type": "output_text", "text": "", "annotations": []})
+            await open_message()
         text_sent += piece
         await emit("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
                    delta=piece, logprobs=[])
@@ -253,10 +244,7 @@ async def _stream(request, typed, handles, builder: ResponseBuilder, tool_format
                     calls = parsed.calls
         if text_sent or not calls:
             if not text_sent:  # an empty answer is still one message
-                await emit("response.output_item.added", output_index=0,
-                           item=builder.message_item(message_id, "", "in_progress"))
-                await emit("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                           part={"type": "output_text", "text": "", "annotations": []})
+                await open_message()
             part = {"type": "output_text", "text": text_sent, "annotations": []}
             await emit("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
                        text=text_sent, logprobs=[])
@@ -273,12 +261,9 @@ async def _stream(request, typed, handles, builder: ResponseBuilder, tool_format
                        arguments=call.arguments, name=call.name)
             output.append(builder.call_item(item_id, call))
             await emit("response.output_item.done", output_index=index, item=output[-1])
-        status, incomplete = _outcome(text_sent, calls, finish_reason)
-        final = builder.envelope(status, output, _usage(handles), incomplete=incomplete)
-        if typed.store:
-            store.put(builder.id, StoredResponse(final, _conversation(typed, text_sent, calls), owner))
-        await emit("response.completed" if status == "completed" else "response.incomplete", response=final)
-    except ConnectionResetError:
+        final = _finished(typed, builder, output, text_sent, calls, finish_reason, handles, store, owner)
+        await emit("response." + final["status"], response=final)
+    except ConnectionResetError:  # gone, or too slow (ClientTooSlow)
         log.info("client disconnected mid-stream")
         return response
     except Exception as exc:
@@ -291,11 +276,7 @@ async def _stream(request, typed, handles, builder: ResponseBuilder, tool_format
             return response
     finally:
         deltas.close()
-    try:
-        await response.write_eof()
-    except ConnectionResetError:
-        pass
-    return response
+    return await end_event_stream(response)
 
 
 @responses_routes.get("/responses/{response_id}")

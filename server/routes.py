@@ -46,8 +46,10 @@ routes = web.RouteTableDef()
 v1_routes = web.RouteTableDef()
 
 
-class ClientTooSlow(Exception):
-    """A streaming client fell `STREAM_BACKLOG_LIMIT` deltas behind."""
+class ClientTooSlow(ConnectionResetError):
+    """A streaming client fell `STREAM_BACKLOG_LIMIT` deltas behind: its
+    request is aborted, and its connection closed once the writer reads
+    this, which every writer then handles as a client gone."""
 
 
 def _close_connection(request: web.Request) -> None:
@@ -118,6 +120,9 @@ class _MergedDeltas:
                 if item is self._DONE:
                     remaining -= 1
                 elif isinstance(item, Exception):
+                    if isinstance(item, ClientTooSlow):  # the writer learns it now: the stream ends here
+                        log.info("client too slow: its stream is closed")
+                        _close_connection(self._request)
                     raise item
                 else:
                     yield item
@@ -193,29 +198,50 @@ async def _collect(request, typed: GenerationRequest, handles, builder: Response
     return web.json_response(builder.completion(joined, finish_reasons, _usage(handles), logprobs, calls))
 
 
-async def _stream(
-    request, typed: GenerationRequest, handles, builder: ResponseBuilder, tool_format
-) -> web.StreamResponse:
-    include_usage = typed.include_usage
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
+async def open_event_stream(request: web.Request, handles: list[RequestHandle]):
+    """Start a server-sent-event answer: the response, prepared (the
+    headers are gone), and the merged deltas of `handles`, read with the
+    slow-reader limit."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     response.enable_chunked_encoding()
     deltas = _MergedDeltas(request, handles, backlog_limit=STREAM_BACKLOG_LIMIT)
     await response.prepare(request)
+    return response, deltas
+
+
+async def write_event(request: web.Request, response: web.StreamResponse, data: str, event: str | None = None):
+    """Write one event; a client that stopped reading but keeps its
+    connection open has it closed (`ConnectionResetError`)."""
+    frame = (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
+    try:
+        await asyncio.wait_for(response.write(frame.encode()), STREAM_WRITE_TIMEOUT_SECONDS)
+    except TimeoutError:
+        log.info("client stopped reading: its stream is closed")
+        _close_connection(request)
+        raise ConnectionResetError("the client stopped reading") from None
+
+
+async def end_event_stream(response: web.StreamResponse) -> web.StreamResponse:
+    try:
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
+    return response
+
+
+async def _stream(
+    request, typed: GenerationRequest, handles, builder: ResponseBuilder, tool_format
+) -> web.StreamResponse:
+    response, deltas = await open_event_stream(request, handles)
 
     async def send(payload: Any) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-        try:
-            await asyncio.wait_for(response.write(f"data: {data}\n\n".encode()), STREAM_WRITE_TIMEOUT_SECONDS)
-        except TimeoutError:
-            # a client that stopped reading but keeps its connection open
-            log.info("client stopped reading: its stream is closed")
-            _close_connection(request)
-            raise ConnectionResetError("the client stopped reading") from None
+        await write_event(request, response, data)
 
     try:
-        return await _write_stream(request, response, send, deltas, handles, builder, include_usage, tool_format)
+        return await _write_stream(
+            request, response, send, deltas, handles, builder, typed.include_usage, tool_format
+        )
     finally:
         deltas.close()
 
@@ -238,12 +264,8 @@ async def _write_stream(request, response, send, deltas, handles, builder, inclu
                 await send(builder.delta_chunk(index, delta, include_usage))
         if include_usage:
             await send(builder.usage_chunk(_usage(handles)))
-    except ConnectionResetError:
+    except ConnectionResetError:  # gone, or too slow (ClientTooSlow)
         log.info("client disconnected mid-stream")
-        return response
-    except ClientTooSlow:
-        log.info("client too slow: its stream is closed")
-        _close_connection(request)
         return response
     except Exception as exc:
         # headers are gone: the error travels inside the stream
@@ -254,10 +276,9 @@ async def _write_stream(request, response, send, deltas, handles, builder, inclu
             return response
     try:
         await send("[DONE]")
-        await response.write_eof()
     except ConnectionResetError:
-        pass
-    return response
+        return response
+    return await end_event_stream(response)
 
 
 def _tool_stream_chunks(builder: ResponseBuilder, reader, index: int, delta, include_usage: bool) -> list:
