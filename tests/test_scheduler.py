@@ -42,6 +42,15 @@ def scheduler_for(
     )
 
 
+def empty(scheduler: Scheduler) -> None:
+    """Take every request out and evict every cached sequence, through the
+    scheduler's own paths (what is left is a leak)."""
+    for state in [*scheduler.waiting, *scheduler.running]:
+        scheduler.remove(state)
+    while scheduler._evict_one() is not None:
+        pass
+
+
 def apply(executor: FakeExecutor, scheduler: Scheduler, batch) -> None:
     """Run a planned batch on the executor as the engine does: decode rows,
     prefill chunks, a fork once a prompt is in, one greedy token per choice
@@ -177,7 +186,8 @@ def test_removing_a_request_returns_every_page(tokenizer):
     scheduler.remove(states[1])
     assert states[1] not in scheduler.running
     assert all(c.seq_id == -1 for c in states[1].choices)
-    assert scheduler.remove_all() == [states[0], states[2]]
+    assert scheduler.running == [states[0], states[2]]
+    empty(scheduler)
     assert executor.free_pages() == executor.total_pages and not executor.tokens
 
 
@@ -216,7 +226,7 @@ def test_the_engine_retires_every_request_through_one_path(tokenizer, prefix_cac
     assert sorted(finished) == ["aborted", "success", "success", "success"]
     # what is not free is held by the prefix cache alone, and can be emptied
     assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages
-    engine.scheduler.remove_all()
+    empty(engine.scheduler)
     assert executor.free_pages() == executor.total_pages and not executor.tokens
 
 
@@ -291,7 +301,7 @@ def test_any_schedule_generates_exactly_what_each_request_would_alone(
         if not prefix_cache:
             assert state.handle.usage.cached_tokens == 0
     assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages
-    engine.scheduler.remove_all()
+    empty(engine.scheduler)
     assert executor.free_pages() == executor.total_pages and not executor.tokens
 
 
@@ -365,7 +375,7 @@ def test_a_full_cache_is_evicted_before_anything_waits_or_is_preempted(tokenizer
         assert engine.scheduler.book.free == executor.free_pages()
     assert finished == ["success"] * 30
     assert engine.preemptions == 0
-    assert 0 < len(engine.scheduler.cache) <= 2  # 12 pages each, of 20
+    assert 0 < len(engine.scheduler.cache.entries) <= 2  # 12 pages each, of 20
     assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages
 
 
@@ -398,7 +408,7 @@ def test_forks_aborts_and_preemptions_with_cached_prefixes_leak_no_page(tokenize
     assert engine.preemptions > 0  # two requests' 6 choices outgrow 17 pages
     assert engine.scheduler.book.free == executor.free_pages()
     assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages
-    engine.scheduler.remove_all()
+    empty(engine.scheduler)
     assert executor.free_pages() == executor.total_pages
 
 

@@ -9,10 +9,9 @@ Two parts:
   page_size) pages, a fork at position p shares the parent's first
   floor(p / page_size) pages and copies the partly filled one, and a page
   returns to the pool when no sequence holds it. From it the scheduler
-  knows, before removing anything, how many pages evicting a cached
-  sequence would free, and how many pages only cached sequences hold (the
-  `kv_pages_cached` gauge). Tests check it against the executor's own count
-  after every step.
+  knows how many pages an eviction freed and how many pages only cached
+  sequences hold (the `kv_pages_cached` gauge). Tests check it against the
+  executor's own count after every step.
 * `PrefixCache` holds the cached sequences (ids and tokens) and finds the
   longest prefix of a token list that one of them, or a running sequence
   offered to `longest_prefix`, already has in the KV cache.
@@ -37,6 +36,13 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 
+def common_prefix(a: np.ndarray, b: np.ndarray, limit: int | None = None) -> int:
+    """How many leading tokens `a` and `b` share (at most `limit`)."""
+    n = min(len(a), len(b), len(a) if limit is None else limit)
+    differs = np.flatnonzero(a[:n] != b[:n])
+    return int(differs[0]) if differs.size else n
+
+
 class PageBook:
     """Which KV pages each sequence holds, as the executor allocates them."""
 
@@ -44,7 +50,6 @@ class PageBook:
         self.page_size = page_size
         self.total_pages = total_pages
         self._pages: dict[int, list[int]] = {}
-        self._lengths: dict[int, int] = {}
         self._holders: collections.Counter[int] = collections.Counter()
         self._next_page = itertools.count()
 
@@ -59,7 +64,6 @@ class PageBook:
 
     def add(self, seq_id: int) -> None:
         self._pages[seq_id] = []
-        self._lengths[seq_id] = 0
 
     def fork(self, parent_id: int, child_id: int, position: int) -> None:
         """`child_id` holds the first `position` tokens of `parent_id`."""
@@ -68,14 +72,12 @@ class PageBook:
         for page in shared:
             self._holders[page] += 1
         self._pages[child_id] = shared + ([self._new_page()] if partial else [])
-        self._lengths[child_id] = position
 
     def grow(self, seq_id: int, length: int) -> None:
         """The sequence now holds `length` tokens."""
         pages = self._pages[seq_id]
         while len(pages) * self.page_size < length:
             pages.append(self._new_page())
-        self._lengths[seq_id] = length
 
     def remove(self, seq_id: int) -> int:
         """Forget a sequence; returns the pages that went back to the pool."""
@@ -85,15 +87,7 @@ class PageBook:
             if not self._holders[page]:
                 del self._holders[page]
                 freed += 1
-        del self._lengths[seq_id]
         return freed
-
-    def length(self, seq_id: int) -> int:
-        return self._lengths[seq_id]
-
-    def own_pages(self, seq_id: int) -> int:
-        """Pages removing this sequence alone would free."""
-        return sum(1 for page in self._pages[seq_id] if self._holders[page] == 1)
 
     def pages_held_only_by(self, seq_ids: Iterable[int]) -> int:
         """Pages that no sequence outside `seq_ids` holds."""
@@ -128,9 +122,6 @@ class PrefixCache:
         self.entries: dict[int, CachedSequence] = {}
         self._clock = itertools.count()
 
-    def __len__(self) -> int:
-        return len(self.entries)
-
     def longest_prefix(
         self,
         tokens: Sequence[int],
@@ -148,11 +139,9 @@ class PrefixCache:
         candidates = [(e.seq_id, e.tokens, e) for e in self.entries.values()]
         candidates += [(seq_id, held, None) for seq_id, held in running]
         for seq_id, held, entry in candidates:
-            n = min(len(held), len(query))
-            if n == 0 or (best is not None and n <= best.length):
+            if min(len(held), len(query)) <= (0 if best is None else best.length):
                 continue
-            differs = np.flatnonzero(held[:n] != query[:n])
-            length = int(differs[0]) if differs.size else n
+            length = common_prefix(held, query)
             if length > 0 and (best is None or length > best.length):
                 best, best_entry = PrefixMatch(seq_id, length), entry
         if best_entry is not None:
@@ -185,8 +174,3 @@ class PrefixCache:
 
     def discard(self, seq_id: int) -> None:
         del self.entries[seq_id]
-
-    def clear(self) -> list[int]:
-        seq_ids = list(self.entries)
-        self.entries.clear()
-        return seq_ids

@@ -34,10 +34,9 @@ import itertools
 import math
 from collections.abc import Callable
 
-import numpy as np
 import structlog
 
-from lockgate.engine.prefix_cache import PageBook, PrefixCache, PrefixMatch
+from lockgate.engine.prefix_cache import PageBook, PrefixCache, PrefixMatch, common_prefix
 from lockgate.engine.state import Choice, RequestState
 from lockgate.errors import Overloaded
 
@@ -155,9 +154,7 @@ class Scheduler:
             first = other.choices[0]
             if first.kv_len >= len(other.prompt_ids):
                 continue  # its prompt is in: a fork can share it now
-            n = min(len(tokens) - 1, len(other.prompt_array))
-            differs = np.flatnonzero(other.prompt_array[:n] != tokens[:n])
-            common = int(differs[0]) if differs.size else n
+            common = common_prefix(other.prompt_array, tokens, len(tokens) - 1)
             if common >= self.kv.page_size and common > max(have, first.kv_len):
                 return True
         return False
@@ -293,16 +290,6 @@ class Scheduler:
         elif state in self.waiting:
             self.waiting.remove(state)
         self._free(state.choices)
-
-    def remove_all(self) -> list[RequestState]:
-        """Take every request out (shutdown, an unhealthy engine), empty the
-        prefix cache, and free every page."""
-        states = [*self.waiting, *self.running]
-        for state in states:
-            self.remove(state)
-        for seq_id in self.cache.clear() if self.cache is not None else ():
-            self._remove_sequence(seq_id)
-        return states
 
     @property
     def cached_pages(self) -> int:
