@@ -698,13 +698,9 @@ REQUEST_TYPES: dict[str, type[GenerationRequest]] = {
 }
 
 
-def parse_request(endpoint: str, body: Mapping[str, Any], *, request_id: str) -> GenerationRequest:
-    """Read `body` (a decoded JSON object) as a request to `endpoint`.
-
-    :raises InvalidRequestError: (400) naming the first field that is
-        missing, of the wrong type or out of range.
-    """
-    cls = REQUEST_TYPES[endpoint]
+def read_fields(cls: type[GenerationRequest], body: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields `cls` declares with a reader, read from `body`: those
+    present and not null; a required one missing is an error."""
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         reader = field.metadata.get("reader")
@@ -717,6 +713,16 @@ def parse_request(endpoint: str, body: Mapping[str, Any], *, request_id: str) ->
                 raise InvalidRequestError(f"{key} is required", param=key)
             continue
         values[field.name] = reader(value, key)
-    request = cls(id=request_id, body=body, **values)
+    return values
+
+
+def parse_request(endpoint: str, body: Mapping[str, Any], *, request_id: str) -> GenerationRequest:
+    """Read `body` (a decoded JSON object) as a request to `endpoint`.
+
+    :raises InvalidRequestError: (400) naming the first field that is
+        missing, of the wrong type or out of range.
+    """
+    cls = REQUEST_TYPES[endpoint]
+    request = cls(id=request_id, body=body, **read_fields(cls, body))
     request._check_combinations()
     return request

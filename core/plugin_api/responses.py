@@ -28,11 +28,13 @@ from lockgate.plugin_api.request import (
     boolean,
     integer,
     json_type,
+    param,
+    read_fields,
     read_response_format,
     read_tools,
     string,
 )
-from lockgate.plugin_api.tool_calls import ToolCall
+from lockgate.plugin_api.tool_calls import Tool, ToolCall
 
 RESPONSES_ENDPOINT = "responses"
 
@@ -42,44 +44,6 @@ REFUSED_WHEN_SET = ("background", "conversation", "prompt", "include", "reasonin
                     "prompt_cache_key", "safety_identifier")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 MAX_METADATA_KEYS = 16
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ResponsesRequest(ChatRequest):
-    """A `POST /v1/responses` body, as a chat request plus what only the
-    Responses API has."""
-
-    endpoint: ClassVar[str] = RESPONSES_ENDPOINT
-    prompt_field: ClassVar[str] = "input"
-
-    instructions: str | None = None
-    #: keep the response (and its conversation) for `previous_response_id`
-    store: bool = True
-    previous_response_id: str | None = None
-    metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    #: the conversation before this request's `input` (from `previous_response_id`)
-    history: tuple[Message, ...] = ()
-    #: the messages this request's `input` added
-    input_messages: tuple[Message, ...] = ()
-
-    @property
-    def is_chat(self) -> bool:
-        return True
-
-    def _tool_result_param(self, index: int) -> str:
-        # messages are instructions, history, then input: name the input item
-        offset = len(self.messages) - len(self.input_messages)
-        return f"input[{index - offset}].call_id" if index >= offset else "previous_response_id"
-
-    def tool_parameters_param(self, index: int) -> str:
-        return f"tools[{index}].parameters"
-
-    def param_for(self, subject: str) -> str:
-        if subject == "max_tokens":
-            return "max_output_tokens"
-        if subject == "schema":
-            return "text.format"
-        return super().param_for(subject)
 
 
 def read_input(value: Any, where: str) -> tuple[Message, ...]:
@@ -202,6 +166,63 @@ def read_metadata(value: Any, where: str) -> dict[str, str]:
     return dict(metadata)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResponsesRequest(ChatRequest):
+    """A `POST /v1/responses` body, as a chat request plus what only the
+    Responses API has."""
+
+    endpoint: ClassVar[str] = RESPONSES_ENDPOINT
+    prompt_field: ClassVar[str] = "input"
+
+    # chat fields under their Responses names and shapes; `messages` is what
+    # `input` holds until `parse_responses_request` puts the instructions
+    # and the history before it
+    messages: tuple[Message, ...] = param((), read_input, key="input", required=True)
+    max_tokens: int | None = param(None, integer(1), key="max_output_tokens")
+    tools: tuple[Tool, ...] = param((), read_responses_tools)
+    tool_choice: str | None = param(None, read_responses_tool_choice)
+    response_format: OutputFormat | None = param(None, read_text, key="text")
+    # chat fields a Responses body does not have (no reader: never read)
+    n: int = param(1)
+    max_completion_tokens: int | None = param(None)
+    logprobs: bool = param(False)
+    top_logprobs: int | None = param(None)
+    include_usage: bool = param(False)
+    skip_special_tokens: bool = param(True)
+    stop_token_ids: tuple[int, ...] = param(())
+    functions: tuple[Tool, ...] = param(())
+    function_call: str | None = param(None)
+    # the Responses API's own
+    instructions: str | None = param(None, string)
+    #: keep the response (and its conversation) for `previous_response_id`
+    store: bool = param(True, boolean)
+    previous_response_id: str | None = param(None, string)
+    metadata: Mapping[str, str] = param({}, read_metadata)
+    #: the conversation before this request's `input` (from `previous_response_id`)
+    history: tuple[Message, ...] = ()
+    #: the messages this request's `input` added
+    input_messages: tuple[Message, ...] = ()
+
+    @property
+    def is_chat(self) -> bool:
+        return True
+
+    def _tool_result_param(self, index: int) -> str:
+        # messages are instructions, history, then input: name the input item
+        offset = len(self.messages) - len(self.input_messages)
+        return f"input[{index - offset}].call_id" if index >= offset else "previous_response_id"
+
+    def tool_parameters_param(self, index: int) -> str:
+        return f"tools[{index}].parameters"
+
+    def param_for(self, subject: str) -> str:
+        if subject == "max_tokens":
+            return "max_output_tokens"
+        if subject == "schema":
+            return "text.format"
+        return super().param_for(subject)
+
+
 def parse_responses_request(
     body: Mapping[str, Any], *, request_id: str, history: Sequence[Message] = ()
 ) -> ResponsesRequest:
@@ -215,40 +236,12 @@ def parse_responses_request(
             raise UnsupportedParameter(f"{name} is not supported by this server", param=name)
     if body.get("truncation") not in (None, "disabled"):
         raise UnsupportedParameter("truncation other than 'disabled' is not supported", param="truncation")
-    if "input" not in body or body["input"] is None:
-        raise InvalidRequestError("input is required", param="input")
-    input_messages = read_input(body["input"], "input")
-    instructions = body.get("instructions")
-    if instructions is not None:
-        string(instructions, "instructions")
+    values = read_fields(ResponsesRequest, body)
+    input_messages = values.pop("messages")
+    instructions = values.get("instructions")
     # instructions are this request's only: a previous response's are not carried over
     system = (Message("system", instructions),) if instructions else ()
-    values: dict[str, Any] = {
-        "messages": (*system, *history, *input_messages),
-        "history": tuple(history),
-        "input_messages": input_messages,
-        "instructions": instructions,
-    }
-    readers = {
-        "model": string, "stream": boolean, "temperature": None, "top_p": None, "seed": None, "user": string,
-        "store": boolean, "previous_response_id": string, "parallel_tool_calls": boolean,
-        "top_k": None, "min_p": None, "repetition_penalty": None, "ignore_eos": boolean,
-        "presence_penalty": None, "frequency_penalty": None, "stop": None, "logit_bias": None,
-    }
-    numeric = {f.name: f.metadata.get("reader") for f in dataclasses.fields(ChatRequest) if f.metadata.get("reader")}
-    for name, reader in readers.items():
-        if body.get(name) is not None:
-            values[name] = (reader or numeric[name])(body[name], name)
-    if body.get("max_output_tokens") is not None:
-        values["max_tokens"] = integer(1)(body["max_output_tokens"], "max_output_tokens")
-    if body.get("tools") is not None:
-        values["tools"] = read_responses_tools(body["tools"], "tools")
-    if body.get("tool_choice") is not None:
-        values["tool_choice"] = read_responses_tool_choice(body["tool_choice"], "tool_choice")
-    if body.get("text") is not None:
-        values["response_format"] = read_text(body["text"], "text")
-    if body.get("metadata") is not None:
-        values["metadata"] = read_metadata(body["metadata"], "metadata")
+    values.update(messages=(*system, *history, *input_messages), history=tuple(history), input_messages=input_messages)
     request = ResponsesRequest(id=request_id, body=body, **values)
     request._check_combinations()
     return request
