@@ -88,6 +88,11 @@ def _string_prefix(text: str, opening: str) -> str | None:
     return None
 
 
+def _calls_array(tools: Sequence[Tool], parallel: bool) -> dict:
+    """A JSON array of calls of `tools`: at least one, only one unless `parallel`."""
+    return {"type": "array", "items": any_call_schema(tools), "minItems": 1, **({} if parallel else {"maxItems": 1})}
+
+
 def _repeat(call: str, separator: str, parallel: bool) -> str:
     return f"start: {call}" + (f" ({lark_string(separator)} {call})*" if parallel else "")
 
@@ -115,10 +120,7 @@ class GenericFormat(ToolCallFormat):
         )
 
     def grammar(self, tools, *, required, parallel):
-        items = {"type": "array", "items": any_call_schema(tools), "minItems": 1}
-        if not parallel:
-            items["maxItems"] = 1
-        calls = {"type": "object", "properties": {"tool_calls": items}, "required": ["tool_calls"],
+        calls = {"type": "object", "properties": {"tool_calls": _calls_array(tools, parallel)}, "required": ["tool_calls"],
                  "additionalProperties": False}
         return "start: " + lark_json(calls if required else {"anyOf": [calls, self._ANSWER]})
 
@@ -261,10 +263,7 @@ class MistralFormat(ToolCallFormat):
     def grammar(self, tools, *, required, parallel):
         if not required:
             return None
-        items = {"type": "array", "items": any_call_schema(tools), "minItems": 1}
-        if not parallel:
-            items["maxItems"] = 1
-        return "start: " + lark_json(items)
+        return "start: " + lark_json(_calls_array(tools, parallel))
 
     def parse(self, text):
         body = text.strip()

@@ -185,8 +185,7 @@ class StreamedOutput:
         rest = self.text[self.sent :]
         if not self.holding:
             return ParsedOutput(rest or None, [])
-        parsed = self.format.parse(rest)
-        return parsed
+        return self.format.parse(rest)
 
     def _release(self, end: int) -> str:
         out = self.text[self.sent : end]
