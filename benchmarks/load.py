@@ -106,6 +106,8 @@ class RequestResult:
     token_source: str | None = None  # "usage" or "chunks"
     #: the prompt's tokens as the server counted them (its usage), or None
     prompt_tokens: int | None = None
+    #: the generated text, all chunks together
+    text: str = ""
 
     @property
     def decode_tps(self) -> float | None:
@@ -169,6 +171,7 @@ async def stream_one(
     usage_tokens: int | None = None
     prompt_tokens: int | None = None
     content_chunks = 0
+    texts: list[str] = []
     try:
         async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
             if response.status != 200:
@@ -186,7 +189,9 @@ async def stream_one(
                 chunk = json.loads(data)
                 if "error" in chunk:
                     return RequestResult(ok=False, error="stream", detail=json.dumps(chunk["error"])[:300])
-                if chunk_text(chunk):
+                text = chunk_text(chunk)
+                if text:
+                    texts.append(text)
                     content_chunks += 1
                     if first is None:
                         first = time.perf_counter()
@@ -212,6 +217,7 @@ async def stream_one(
         tokens=tokens,
         token_source=source,
         prompt_tokens=prompt_tokens,
+        text="".join(texts),
     )
 
 
