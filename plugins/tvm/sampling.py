@@ -1,0 +1,746 @@
+"""Sampling on the device: the host sampler's choices, computed where the
+logits are, so only token ids (and the logprobs asked for) cross to the host.
+
+`build_sampler` compiles a small relax module of its own (apart from the
+model's, so neither compile disturbs the other) for `llvm` or `cuda`;
+`DeviceSampler` runs it on `[batch, vocab]` logits already on the device
+plus per-row parameter arrays, and answers exactly like
+`lockgate.engine.sampling.sample_batch`: `(tokens, [TokenLogprob | None])`.
+
+The functions in the library, all over a symbolic batch and the static
+vocabulary `V`:
+
+* `process(logits, bitmask, rows, tokens, bias, seen, counts, rep, freq,
+  pres)` → the logits the choice is made from: grammar masks uploaded as
+  bits (`[batch, ceil(V/32)]` int32, bit `t % 32` of word `t // 32`; a
+  cleared bit is `-inf`), then the sparse per-(row, token) entries of
+  `logit_bias`, the repetition penalty and the presence/frequency
+  penalties, one entry per distinct (row, token) and in the host's order:
+  bias added in float32, repetition divided/multiplied in float32,
+  `frequency * count + presence` subtracted in float64 and rounded to
+  float32, as numpy does on the host.
+* `greedy(x)` → first index of the row's maximum (numpy's `argmax`).
+* `sample(x, temperature, min_p, greedy, uniform)` and
+  `sample_sorted(x, temperature, top_k, top_p, min_p, greedy, uniform)` →
+  one token per row; the second sorts each row and is only called when a
+  row of the batch asks for top-k or top-p.
+* `logprobs(logits, tokens)` → the chosen tokens' log-probabilities and the
+  `MAX_TOP_LOGPROBS` best tokens with theirs, under the model's own
+  distribution (the raw logits), as OpenAI reports them.
+
+How a token is chosen (the host's `_draw`, step by step; every comparison
+the host makes is made on the same values, so the same uniform gives the
+same token):
+
+1. `y = x / temperature` in float32;
+2. top-k keeps `y >= kth`, `kth` the k-th largest of the sorted row (ties at
+   the k-th value are kept, as `np.partition` + `<` keeps them);
+3. `e = exp(float64(y - max(y)))`, `p = e / sum(e)`; min-p zeroes
+   `p < min_p * (1 / sum(e))` (the largest `p` is `exp(0) / sum`);
+4. top-p: the host sorts `p` descending (stably) and keeps the shortest
+   prefix whose cumulative mass reaches `top_p` of the whole. The sorted
+   values need no stable sort: they are `g(sorted(y))` for the monotone map
+   `g` of steps 2–3, so the device sorts `y` once, cumulates `g` of it, and
+   takes the cut value `v` and how many tokens equal to `v` the host's
+   stable order keeps (`r`); in vocabulary order it then keeps `p > v`, and
+   the first `r` tokens with `p == v` (an exclusive cumulative count);
+5. the draw: the first token whose cumulative kept mass (vocabulary order)
+   exceeds `u * total`, `u` the row's uniform, drawn on the host from the
+   request's own generator exactly where the host sampler draws it (one
+   `rng.random()` per non-greedy row, none for greedy rows), so a seeded
+   request gives the same tokens whatever shares its batch.
+
+The probabilities are float64 on both sides. Sums are taken in a different
+order on a GPU (and `exp` may differ in the last bit between numpy and the
+device's libm), so two paths can disagree only when the uniform lands within
+about 1e-16 of a boundary between two tokens' cumulative masses.
+
+Integration (proposed, not wired): an optional
+`Executor.decode_sampled(seq_ids, token_ids, rows)` /
+`prefill_sampled(...)` whose default calls `decode`/`prefill` and
+`sample_batch`, and which the TVM executor implements by handing its
+logits tensor to a `DeviceSampler` before anything is copied to the host;
+`loop.py`'s `_run_decode`/`_sample` would build the `SamplingRow`s before
+the forward pass instead of after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+
+import tvm
+from tvm import relax, s_tir, te, tirx
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.base import ScheduleRule, try_inline_contiguous_spatial
+from tvm.target import Target
+
+from lockgate.engine.sampling import SamplingRow, TokenLogprob
+
+#: the most alternatives one token's logprobs may list (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20
+
+#: threads per block for the GPU kernels written here
+_GPU_THREADS = 256
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def _neg_inf(dtype: str = "float32"):
+    return tirx.const(float("-inf"), dtype)
+
+
+def _row_max(x: te.Tensor, name: str) -> te.Tensor:
+    batch, vocab = x.shape
+    j = te.reduce_axis((0, vocab), name="j")
+    return te.compute((batch,), lambda i: te.max(x[i, j], axis=j), name=name)
+
+
+def _first_index(vocab: int, pred, batch, name: str) -> te.Tensor:
+    """Per row, the least j with pred(i, j), else 0 (numpy's argmax of a
+    boolean row)."""
+    j = te.reduce_axis((0, vocab), name="j")
+    first = te.compute(
+        (batch,),
+        lambda i: te.min(tirx.Select(pred(i, j), j.var.astype("int64"), tirx.const(vocab, "int64")), axis=j),
+        name=name + "_min",
+    )
+    return te.compute(
+        (batch,),
+        lambda i: tirx.Select(first[i] == vocab, tirx.const(0, "int32"), first[i].astype("int32")),
+        name=name,
+    )
+
+
+def _argmax_te(x: te.Tensor, m: te.Tensor) -> te.Tensor:
+    """The first index of each row's maximum `m` (numpy's argmax)."""
+    batch, vocab = x.shape
+    return _first_index(int(vocab), lambda i, j: x[i, j] == m[i], batch, "argmax")
+
+
+def _emit_greedy(bb: relax.BlockBuilder, x: relax.Expr) -> relax.Var:
+    m = bb.emit_te(_row_max, x, "greedy_max", primfunc_name_hint="greedy_max")
+    return bb.emit_te(_argmax_te, x, m, primfunc_name_hint="argmax")
+
+
+def _mask_te(logits: te.Tensor, bitmask: te.Tensor) -> te.Tensor:
+    def body(i, j):
+        word = bitmask[i, j // 32]
+        bit = tirx.bitwise_and(tirx.shift_right(word, (j % 32).astype("int32")), tirx.const(1, "int32"))
+        return tirx.Select(bit == 1, logits[i, j], _neg_inf())
+
+    return te.compute(logits.shape, body, name="masked")
+
+
+def _entries_func(gpu: bool) -> tirx.PrimFunc:
+    """The sparse (row, token) adjustments, in place on x: one thread per
+    entry on a GPU (entries are distinct, so no two write one element)."""
+    from tvm.script import tirx as T
+
+    threads = _GPU_THREADS if gpu else 1
+
+    @T.macro
+    def one_entry(x, rows, tokens, bias, seen, counts, rep, freq, pres, k):
+        row = rows[k]
+        token = tokens[k]
+        biased = x[row, token] + bias[k]
+        penalized = T.Select(
+            seen[k] != 0,
+            T.Select(biased > T.float32(0), biased / rep[row], biased * rep[row]),
+            biased,
+        )
+        x[row, token] = T.Select(
+            counts[k] != 0,
+            T.Cast(
+                "float32",
+                T.Cast("float64", penalized) - (freq[row] * T.Cast("float64", counts[k]) + pres[row]),
+            ),
+            penalized,
+        )
+
+    @T.prim_func(private=True, s_tir=True)
+    def apply_entries(
+        var_x: T.handle,
+        var_rows: T.handle,
+        var_tokens: T.handle,
+        var_bias: T.handle,
+        var_seen: T.handle,
+        var_counts: T.handle,
+        var_rep: T.handle,
+        var_freq: T.handle,
+        var_pres: T.handle,
+    ):
+        T.func_attr({"tirx.is_scheduled": True, "tirx.noalias": True})
+        batch, vocab, n = T.int64(), T.int64(), T.int64()
+        x = T.match_buffer(var_x, (batch, vocab), "float32")
+        rows = T.match_buffer(var_rows, (n,), "int32")
+        tokens = T.match_buffer(var_tokens, (n,), "int32")
+        bias = T.match_buffer(var_bias, (n,), "float32")
+        seen = T.match_buffer(var_seen, (n,), "int32")
+        counts = T.match_buffer(var_counts, (n,), "int32")
+        rep = T.match_buffer(var_rep, (batch,), "float32")
+        freq = T.match_buffer(var_freq, (batch,), "float64")
+        pres = T.match_buffer(var_pres, (batch,), "float64")
+        if gpu:
+            for bx in T.thread_binding((n + threads - 1) // threads, thread="blockIdx.x"):
+                for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                    if bx * threads + tx < n:
+                        one_entry(x, rows, tokens, bias, seen, counts, rep, freq, pres, bx * threads + tx)
+        else:
+            for k in range(n):
+                one_entry(x, rows, tokens, bias, seen, counts, rep, freq, pres, k)
+
+    return apply_entries
+
+
+def _scaled_te(x: te.Tensor, temperature: te.Tensor) -> te.Tensor:
+    return te.compute(x.shape, lambda i, j: x[i, j] / temperature[i], name="scaled")
+
+
+def _exp_shifted(yv, m, kth=None):
+    """exp(float64(y - max)) in float64, zero below the top-k threshold."""
+    e = tirx.exp((yv - m).astype("float64"))
+    if kth is None:
+        return e
+    return tirx.Select(yv >= kth, e, tirx.const(0.0, "float64"))
+
+
+def _mass_te(y: te.Tensor, m: te.Tensor, kth: te.Tensor | None) -> te.Tensor:
+    batch, vocab = y.shape
+    j = te.reduce_axis((0, vocab), name="j")
+    return te.compute(
+        (batch,),
+        lambda i: te.sum(_exp_shifted(y[i, j], m[i], None if kth is None else kth[i]), axis=j),
+        name="mass",
+    )
+
+
+def _probs_te(y, m, kth, total, min_p, name) -> te.Tensor:
+    """p = e / sum, zeroed below min_p * max(p)."""
+
+    def body(i, j):
+        p = _exp_shifted(y[i, j], m[i], None if kth is None else kth[i]) / total[i]
+        floor = min_p[i] * (tirx.const(1.0, "float64") / total[i])
+        return tirx.Select(p < floor, tirx.const(0.0, "float64"), p)
+
+    return te.compute(y.shape, body, name=name)
+
+
+def _kth_te(sorted_y: te.Tensor, top_k: te.Tensor) -> te.Tensor:
+    batch, vocab = sorted_y.shape
+
+    def body(i):
+        k = top_k[i]
+        use = tirx.all(k > 0, k < int(vocab))
+        idx = tirx.Select(use, k - 1, 0).astype("int64")
+        return tirx.Select(use, sorted_y[i, idx], _neg_inf())
+
+    return te.compute((batch,), body, name="kth")
+
+
+def _keep_count_te(cum: te.Tensor, top_p: te.Tensor) -> te.Tensor:
+    """How many of the sorted probabilities the host's top-p keeps:
+    searchsorted(cum, top_p * cum[-1]) + 1."""
+    batch, vocab = cum.shape
+    j = te.reduce_axis((0, vocab), name="j")
+    below = te.compute(
+        (batch,),
+        lambda i: te.sum(
+            tirx.Select(cum[i, j] < top_p[i] * cum[i, int(vocab) - 1], 1, 0).astype("int32"), axis=j
+        ),
+        name="below",
+    )
+    return te.compute((batch,), lambda i: below[i] + 1, name="keep")
+
+
+def _cut_value_te(sorted_p: te.Tensor, keep: te.Tensor, top_p: te.Tensor) -> te.Tensor:
+    """The smallest kept probability; -1 (keep all) where top_p is off."""
+    batch, _ = sorted_p.shape
+    return te.compute(
+        (batch,),
+        lambda i: tirx.Select(
+            top_p[i] < 1.0, sorted_p[i, (keep[i] - 1).astype("int64")], tirx.const(-1.0, "float64")
+        ),
+        name="cut",
+    )
+
+
+def _ties_kept_te(sorted_p: te.Tensor, cut: te.Tensor, keep: te.Tensor) -> te.Tensor:
+    """How many tokens equal to the cut value the host keeps (the first of
+    them in vocabulary order: its argsort is stable)."""
+    batch, vocab = sorted_p.shape
+    j = te.reduce_axis((0, vocab), name="j")
+    above = te.compute(
+        (batch,),
+        lambda i: te.sum(tirx.Select(sorted_p[i, j] > cut[i], 1, 0).astype("int32"), axis=j),
+        name="above",
+    )
+    return te.compute((batch,), lambda i: keep[i] - above[i], name="ties_kept")
+
+
+def _is_cut_te(p: te.Tensor, cut: te.Tensor) -> te.Tensor:
+    return te.compute(
+        p.shape, lambda i, j: tirx.Select(p[i, j] == cut[i], 1, 0).astype("int32"), name="is_cut"
+    )
+
+
+def _kept_te(p: te.Tensor, cut: te.Tensor, rank: te.Tensor, ties: te.Tensor) -> te.Tensor:
+    def body(i, j):
+        keep = tirx.any(p[i, j] > cut[i], tirx.all(p[i, j] == cut[i], rank[i, j] < ties[i]))
+        return tirx.Select(keep, p[i, j], tirx.const(0.0, "float64"))
+
+    return te.compute(p.shape, body, name="kept")
+
+
+def _draw_te(cum: te.Tensor, uniform: te.Tensor) -> te.Tensor:
+    batch, vocab = cum.shape
+    last = int(vocab) - 1
+    return _first_index(int(vocab), lambda i, j: cum[i, j] > uniform[i] * cum[i, last], batch, "drawn")
+
+
+def _choose_te(is_greedy: te.Tensor, greedy: te.Tensor, drawn: te.Tensor) -> te.Tensor:
+    return te.compute(
+        greedy.shape, lambda i: tirx.Select(is_greedy[i] != 0, greedy[i], drawn[i]), name="tokens"
+    )
+
+
+def _lse_te(logits: te.Tensor, m: te.Tensor) -> te.Tensor:
+    batch, vocab = logits.shape
+    j = te.reduce_axis((0, vocab), name="j")
+    total = te.compute((batch,), lambda i: te.sum(tirx.exp(logits[i, j] - m[i]), axis=j), name="sumexp")
+    return te.compute((batch,), lambda i: tirx.log(total[i]), name="lse")
+
+
+def _token_logprob_te(logits, m, lse, tokens) -> te.Tensor:
+    return te.compute(
+        m.shape, lambda i: (logits[i, tokens[i].astype("int64")] - m[i]) - lse[i], name="token_logprob"
+    )
+
+
+def _shift_te(values, m, lse) -> te.Tensor:
+    return te.compute(values.shape, lambda i, j: (values[i, j] - m[i]) - lse[i], name="top_logprob")
+
+
+# ------------------------------------------------------------------ module
+
+
+def sampler_module(vocab: int, gpu: bool) -> tvm.IRModule:
+    """The sampler's relax functions for a vocabulary of `vocab` tokens."""
+    batch = tirx.Var("batch", "int64")
+    n = tirx.Var("n", "int64")
+    words = (vocab + 31) // 32
+
+    def tensor(name, shape, dtype):
+        return relax.Var(name, relax.TensorType(shape, dtype))
+
+    bb = relax.BlockBuilder()
+
+    logits = tensor("logits", (batch, vocab), "float32")
+    bitmask = tensor("bitmask", (batch, words), "int32")
+    rows = tensor("rows", (n,), "int32")
+    tokens = tensor("tokens", (n,), "int32")
+    bias = tensor("bias", (n,), "float32")
+    seen = tensor("seen", (n,), "int32")
+    counts = tensor("counts", (n,), "int32")
+    rep = tensor("rep", (batch,), "float32")
+    freq = tensor("freq", (batch,), "float64")
+    pres = tensor("pres", (batch,), "float64")
+    with bb.function("process", [logits, bitmask, rows, tokens, bias, seen, counts, rep, freq, pres]):
+        with bb.dataflow():
+            x = bb.emit_te(_mask_te, logits, bitmask, primfunc_name_hint="mask")
+            entries = bb.add_func(_entries_func(gpu), "apply_entries")
+            x = bb.emit(
+                relax.call_tir_inplace(
+                    entries,
+                    [x, rows, tokens, bias, seen, counts, rep, freq, pres],
+                    inplace_indices=[0],
+                    out_ty=relax.TensorType((batch, vocab), "float32"),
+                )
+            )
+            out = bb.emit_output(x)
+        bb.emit_func_output(out)
+
+    x = tensor("x", (batch, vocab), "float32")
+    with bb.function("greedy", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(_emit_greedy(bb, x))
+        bb.emit_func_output(out)
+
+    for sorted_variant in (False, True):
+        x = tensor("x", (batch, vocab), "float32")
+        temperature = tensor("temperature", (batch,), "float32")
+        top_k = tensor("top_k", (batch,), "int32")
+        top_p = tensor("top_p", (batch,), "float64")
+        min_p = tensor("min_p", (batch,), "float64")
+        is_greedy = tensor("is_greedy", (batch,), "int32")
+        uniform = tensor("uniform", (batch,), "float64")
+        params = [x, temperature, *([top_k, top_p] if sorted_variant else []), min_p, is_greedy, uniform]
+        with bb.function("sample_sorted" if sorted_variant else "sample", params):
+            with bb.dataflow():
+                greedy = _emit_greedy(bb, x)
+                y = bb.emit_te(_scaled_te, x, temperature, primfunc_name_hint="scaled")
+                m = bb.emit_te(_row_max, y, "row_max", primfunc_name_hint="row_max")
+                if sorted_variant:
+                    sorted_y = bb.emit(relax.op.sort(y, axis=1, descending=True))
+                    kth = bb.emit_te(_kth_te, sorted_y, top_k, primfunc_name_hint="kth")
+                    total = bb.emit_te(_mass_te, y, m, kth, primfunc_name_hint="mass")
+                    sorted_p = bb.emit_te(
+                        _probs_te, sorted_y, m, kth, total, min_p, "sorted_probs", primfunc_name_hint="sorted_probs"
+                    )
+                    sorted_cum = bb.emit(relax.op.cumsum(sorted_p, axis=1))
+                    keep = bb.emit_te(_keep_count_te, sorted_cum, top_p, primfunc_name_hint="keep")
+                    cut = bb.emit_te(_cut_value_te, sorted_p, keep, top_p, primfunc_name_hint="cut")
+                    ties = bb.emit_te(_ties_kept_te, sorted_p, cut, keep, primfunc_name_hint="ties_kept")
+                    p = bb.emit_te(_probs_te, y, m, kth, total, min_p, "probs", primfunc_name_hint="probs")
+                    is_cut = bb.emit_te(_is_cut_te, p, cut, primfunc_name_hint="is_cut")
+                    rank = bb.emit(relax.op.cumsum(is_cut, axis=1, dtype="int32", exclusive=True))
+                    p = bb.emit_te(_kept_te, p, cut, rank, ties, primfunc_name_hint="kept")
+                else:
+                    total = bb.emit_te(_mass_te, y, m, None, primfunc_name_hint="mass")
+                    p = bb.emit_te(_probs_te, y, m, None, total, min_p, "probs", primfunc_name_hint="probs")
+                cum = bb.emit(relax.op.cumsum(p, axis=1))
+                drawn = bb.emit_te(_draw_te, cum, uniform, primfunc_name_hint="draw")
+                out = bb.emit_output(
+                    bb.emit_te(_choose_te, is_greedy, greedy, drawn, primfunc_name_hint="choose")
+                )
+            bb.emit_func_output(out)
+
+    logits = tensor("logits", (batch, vocab), "float32")
+    chosen = tensor("chosen", (batch,), "int32")
+    with bb.function("logprobs", [logits, chosen]):
+        with bb.dataflow():
+            m = bb.emit_te(_row_max, logits, "logit_max", primfunc_name_hint="logit_max")
+            lse = bb.emit_te(_lse_te, logits, m, primfunc_name_hint="lse")
+            token_lp = bb.emit_te(_token_logprob_te, logits, m, lse, chosen, primfunc_name_hint="token_logprob")
+            best = bb.emit(
+                relax.op.topk(logits, k=min(MAX_TOP_LOGPROBS, vocab), axis=-1, ret_type="both", dtype="int32")
+            )
+            values = bb.emit(relax.TupleGetItem(best, 0))
+            ids = bb.emit(relax.TupleGetItem(best, 1))
+            top_lp = bb.emit_te(_shift_te, values, m, lse, primfunc_name_hint="top_logprob")
+            out = bb.emit_output(relax.Tuple([token_lp, ids, top_lp]))
+        bb.emit_func_output(out)
+
+    return bb.get()
+
+
+# ------------------------------------------------------------------ schedules
+
+
+class _CPURows(ScheduleRule):
+    """Run every block's outer (batch) loop across threads on the CPU."""
+
+    def apply(self, func, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline_contiguous_spatial(sch, infos)
+        for info in infos:
+            loops = sch.get_loops(info.block_rv)
+            if loops and info.dom_kind()[:1] == "S":
+                sch.parallel(loops[0])
+        return sch
+
+
+class _GPURowReduction(ScheduleRule):
+    """A `[batch, vocab] -> [batch]` reduction (producers inlined, injective
+    epilogues on `[batch]` allowed): one thread block per row, its threads
+    striding over the row and combining across threads at the end."""
+
+    def apply(self, func, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline_contiguous_spatial(sch, infos)
+        if infos is None:
+            return None
+        reductions = [b for b in infos if not b.is_injective()]
+        if len(reductions) != 1 or infos[0] is not reductions[0] or reductions[0].dom_kind() != "SR":
+            return None
+        main, epilogues = infos[0], infos[1:]
+        if any(len(sch.get_loops(e.block_rv)) != 1 for e in epilogues):
+            return None
+        row, col = sch.get_loops(main.block_rv)
+        _, lane = sch.split(col, [None, _GPU_THREADS])
+        sch.bind(row, "blockIdx.x")
+        sch.bind(lane, "threadIdx.x")
+        if epilogues:
+            # every thread holds the combined value; each finishes the row
+            sch.set_scope(main.block_rv, 0, "local")
+            for epilogue in epilogues:
+                sch.reverse_compute_at(epilogue.block_rv, row)
+        return sch
+
+
+class _GPUInjective(ScheduleRule):
+    """One thread per element of an injective kernel: the spatial loops
+    fused, split over blocks of `_GPU_THREADS` threads."""
+
+    def apply(self, func, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline_contiguous_spatial(sch, infos)
+        if infos is None or len(infos) != 1 or not infos[0].is_injective():
+            return None
+        loops = sch.get_loops(infos[0].block_rv)
+        if not loops:  # an opaque block launching its own threads (TVM's sort)
+            return None
+        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+        bx, tx = sch.split(fused, [None, _GPU_THREADS])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        return sch
+
+
+def schedule_rules(target: Target) -> list[ScheduleRule]:
+    """The rules the sampler's kernels are scheduled with. There is no
+    `dl.gpu.Fallback`: a kernel none of these takes fails the CUDA build."""
+    if target.kind.name == "cuda":
+        return [_GPURowReduction(), _GPUInjective()]
+    return [_CPURows()]
+
+
+def sampler_pipeline(target: Target) -> tvm.transform.Pass:
+    """Dispatch sort and scan to the target's kernels, legalize, schedule
+    with `schedule_rules`, and lower for the VM."""
+
+    @tvm.transform.module_pass(opt_level=0, name="LockgateSamplerPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        gpu = target.kind.name == "cuda"
+        seq = tvm.transform.Sequential(
+            [
+                relax.backend.DispatchSortScan(),
+                relax.transform.LegalizeOps(),
+                relax.transform.AnnotateTIROpPattern(),
+                relax.transform.DeadCodeElimination(),
+                dl.ApplyDefaultSchedule(*schedule_rules(target)),
+                relax.transform.RewriteDataflowReshape(),
+                relax.transform.ToNonDataflow(),
+                relax.transform.RemovePurityChecking(),
+                relax.transform.CallTIRRewrite(),
+                relax.transform.StaticPlanBlockMemory(),
+                relax.transform.LowerAllocTensor(),
+                *([relax.transform.KillAfterLastUse()] if gpu else []),
+                relax.transform.LowerRuntimeBuiltin(),
+                relax.transform.ComputePrimValue(),
+                relax.transform.VMShapeLower(),
+                relax.transform.AttachGlobalSymbol(),
+            ]
+        )
+        return seq(mod)
+
+    return _pipeline
+
+
+def build_sampler(vocab: int, target: Target):
+    """Compile the sampler for `vocab` tokens: a relax Executable."""
+    gpu = target.kind.name == "cuda"
+    mod = sampler_module(vocab, gpu)
+    with target:
+        return tvm.compile(mod, target=target, relax_pipeline=sampler_pipeline(target))
+
+
+# ------------------------------------------------------------------ runtime
+
+
+def _cache_key(vocab: int, target: Target) -> str:
+    h = hashlib.sha256()
+    h.update(str(vocab).encode())
+    h.update(str(target).encode())
+    h.update(tvm.__version__.encode())
+    h.update(pathlib.Path(__file__).read_bytes())
+    return h.hexdigest()[:24]
+
+
+def load_sampler(vocab: int, target: Target, cache_dir: pathlib.Path | None = None):
+    """The sampler's runtime module for (vocab, target): from `cache_dir`
+    when a library is there, else compiled now (and stored there when a
+    directory is given)."""
+    if cache_dir is None:
+        return build_sampler(vocab, target)
+    import os
+    import tempfile
+
+    cache_dir = pathlib.Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    library = cache_dir / f"lockgate-sampler-{_cache_key(vocab, target)}.so"
+    if not library.exists():
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-", suffix=".so")
+        os.close(fd)
+        try:
+            build_sampler(vocab, target).export_library(tmp)
+            os.replace(tmp, library)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return tvm.runtime.load_module(str(library))
+
+
+class DeviceSampler:
+    """`sample_batch` on the device: logits in, token ids and the requested
+    logprobs out.
+
+    Per call the host uploads only what the rows ask for: nothing but
+    the per-row scalars (temperature, top-k, top-p, min-p, greedy flag,
+    uniform) for plain requests; the sparse bias/penalty entries and the
+    grammar bitmask only when some row has them; and it downloads `[batch]`
+    int32 ids (plus `[batch, 20]` ids and logprobs when a row asks for
+    logprobs).
+    """
+
+    def __init__(self, vocab: int, target: Target, device, cache_dir: pathlib.Path | None = None) -> None:
+        self.vocab = int(vocab)
+        self.device = device
+        self._vm = relax.VirtualMachine(load_sampler(self.vocab, target, cache_dir), device)
+        self._process = self._vm["process"]
+        self._greedy = self._vm["greedy"]
+        self._sample = self._vm["sample"]
+        self._sample_sorted = self._vm["sample_sorted"]
+        self._logprobs = self._vm["logprobs"]
+        self._words = (self.vocab + 31) // 32
+
+    def _put(self, array: np.ndarray, dtype) -> object:
+        return tvm.runtime.tensor(np.ascontiguousarray(array, dtype=dtype), self.device)
+
+    def sample_batch(self, logits, rows: Sequence[SamplingRow]) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        """Like `lockgate.engine.sampling.sample_batch`; `logits` is a
+        `[len(rows), vocab]` float32 tensor on this sampler's device (or a
+        numpy array, uploaded first)."""
+        batch = len(rows)
+        if isinstance(logits, np.ndarray):
+            logits = self._put(logits[:batch], np.float32)
+        if tuple(logits.shape) != (batch, self.vocab):
+            raise ValueError(f"logits of shape {tuple(logits.shape)} for {batch} rows of {self.vocab} tokens")
+        x = self._processed(logits, rows)
+        params = [r.params for r in rows]
+        greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=batch)
+        if greedy.all():
+            tokens = self._greedy(x).numpy()
+        else:
+            # one draw per sampled row from its own generator, where the host
+            # sampler draws it; greedy rows draw nothing
+            uniform = np.zeros(batch, dtype=np.float64)
+            for i in np.flatnonzero(~greedy):
+                uniform[i] = rows[i].rng.random()
+            temperature = np.fromiter(
+                (1.0 if g else p.temperature for p, g in zip(params, greedy)), dtype=np.float32, count=batch
+            )
+            top_k = np.fromiter(
+                (p.top_k if 0 < p.top_k < self.vocab else 0 for p in params), dtype=np.int32, count=batch
+            )
+            top_p = np.fromiter((p.top_p for p in params), dtype=np.float64, count=batch)
+            min_p = np.fromiter((p.min_p for p in params), dtype=np.float64, count=batch)
+            sampled = ~greedy
+            common = (
+                self._put(min_p, np.float64),
+                self._put(greedy, np.int32),
+                self._put(uniform, np.float64),
+            )
+            if (top_k[sampled] > 0).any() or (top_p[sampled] < 1.0).any():
+                tokens = self._sample_sorted(
+                    x, self._put(temperature, np.float32), self._put(top_k, np.int32),
+                    self._put(top_p, np.float64), *common,
+                ).numpy()
+            else:
+                tokens = self._sample(x, self._put(temperature, np.float32), *common).numpy()
+        tokens = tokens.astype(np.int64)
+        logprobs: list[TokenLogprob | None] = [None] * batch
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            chosen, ids, values = self._logprobs(logits, self._put(tokens, np.int32))
+            chosen, ids, values = chosen.numpy(), ids.numpy(), values.numpy()
+            for i in wanted:
+                n = params[i].logprobs
+                top = [(int(t), float(v)) for t, v in zip(ids[i, :n], values[i, :n])]
+                logprobs[i] = TokenLogprob(token_id=int(tokens[i]), logprob=float(chosen[i]), top=top)
+        return tokens, logprobs
+
+    def _processed(self, logits, rows: Sequence[SamplingRow]):
+        """The logits after grammar masks, bias and penalties (the input
+        itself when no row has any)."""
+        batch = len(rows)
+        masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+        entries = _entries(rows, self.vocab)
+        if not masked and entries is None:
+            return logits
+        bitmask = np.full((batch, self._words), -1, dtype=np.int32)
+        for i in masked:
+            allowed = np.zeros(self._words * 32, dtype=bool)
+            allowed[: self.vocab] = np.asarray(rows[i].allowed[: self.vocab], dtype=bool)
+            bitmask[i] = np.packbits(allowed, bitorder="little").view("<i4")
+        if entries is None:
+            entries = (np.zeros(0, np.int32),) * 2 + (np.zeros(0, np.float32),) + (np.zeros(0, np.int32),) * 2
+        rows_, tokens, bias, seen, counts = entries
+        rep = np.fromiter((r.params.repetition_penalty for r in rows), dtype=np.float32, count=batch)
+        freq = np.fromiter((r.params.frequency_penalty for r in rows), dtype=np.float64, count=batch)
+        pres = np.fromiter((r.params.presence_penalty for r in rows), dtype=np.float64, count=batch)
+        return self._process(
+            logits,
+            self._put(bitmask, np.int32),
+            self._put(rows_, np.int32),
+            self._put(tokens, np.int32),
+            self._put(bias, np.float32),
+            self._put(seen, np.int32),
+            self._put(counts, np.int32),
+            self._put(rep, np.float32),
+            self._put(freq, np.float64),
+            self._put(pres, np.float64),
+        )
+
+
+def _entries(rows: Sequence[SamplingRow], vocab: int):
+    """The sparse adjustments as arrays (row, token, bias, seen, count), one
+    entry per distinct (row, token); None when no row has any. `seen` marks
+    the tokens the repetition penalty applies to (prompt and output, when
+    it is not 1), `count` the output occurrences the presence and frequency
+    penalties scale with (when either is set), as the host applies them."""
+    out_rows: list[np.ndarray] = []
+    out_tokens: list[np.ndarray] = []
+    out_bias: list[np.ndarray] = []
+    out_seen: list[np.ndarray] = []
+    out_counts: list[np.ndarray] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        bias: dict[int, float] = dict(p.logit_bias) if p.logit_bias else {}
+        seen = (
+            np.unique(np.asarray([*row.prompt_ids, *row.output_ids], dtype=np.int64))
+            if p.repetition_penalty != 1.0
+            else np.zeros(0, np.int64)
+        )
+        if len(row.output_ids) and (p.presence_penalty or p.frequency_penalty):
+            counted, counts = np.unique(np.asarray(row.output_ids, dtype=np.int64), return_counts=True)
+        else:
+            counted, counts = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+        tokens = np.union1d(np.union1d(bias_ids, seen), counted)
+        if not tokens.size:
+            continue
+        bias_values = np.zeros(tokens.size, np.float32)
+        bias_values[np.searchsorted(tokens, bias_ids)] = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+        seen_flags = np.zeros(tokens.size, np.int32)
+        seen_flags[np.searchsorted(tokens, seen)] = 1
+        token_counts = np.zeros(tokens.size, np.int32)
+        token_counts[np.searchsorted(tokens, counted)] = counts
+        out_rows.append(np.full(tokens.size, i, np.int32))
+        out_tokens.append(tokens.astype(np.int32))
+        out_bias.append(bias_values)
+        out_seen.append(seen_flags)
+        out_counts.append(token_counts)
+    if not out_rows:
+        return None
+    return tuple(np.concatenate(a) for a in (out_rows, out_tokens, out_bias, out_seen, out_counts))
