@@ -74,53 +74,79 @@ def permute_for_llama_cpp(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _add_weight(writer: gguf.GGUFWriter, name: str, w: np.ndarray, tensor_type: str) -> None:
-    qtype = gguf.GGMLQuantizationType[tensor_type]
-    if qtype == gguf.GGMLQuantizationType.F32:
-        writer.add_tensor(name, w.astype(np.float32))
-    elif qtype == gguf.GGMLQuantizationType.F16:
-        writer.add_tensor(name, w.astype(np.float16))
-    else:
-        writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+class NumpyWeights:
+    """Random weights drawn with numpy, in the order the writer asks for
+    them, and their encoding into GGUF tensor data.
+
+    `write_llama_gguf` takes any object with these five methods, so a
+    faster source (benchmarks/random_gguf.py draws on the GPU with torch)
+    writes through the same writer.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def linear(self, out_features: int, in_features: int) -> np.ndarray:
+        return (self.rng.standard_normal((out_features, in_features)) * (0.5 / np.sqrt(in_features))).astype(
+            np.float32
+        )
+
+    def norm(self, size: int) -> np.ndarray:
+        return (1.0 + 0.1 * self.rng.standard_normal(size)).astype(np.float32)
+
+    def embedding(self, rows: int, cols: int) -> np.ndarray:
+        return (self.rng.standard_normal((rows, cols)) * 0.2).astype(np.float32)
+
+    def permute(self, w: np.ndarray, n_head: int) -> np.ndarray:
+        return permute_for_llama_cpp(w, n_head)
+
+    def encode(self, w: np.ndarray, tensor_type: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+        """The tensor's data for `GGUFWriter.add_tensor` and its raw type
+        (None for float arrays, whose dtype says it)."""
+        qtype = gguf.GGMLQuantizationType[tensor_type]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            return w.astype(np.float32), None
+        if qtype == gguf.GGMLQuantizationType.F16:
+            return w.astype(np.float16), None
+        return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
 
 
-def write_tiny_gguf(
-    path, *, tensor_type: str = "F32", seed: int = 0, vocab_size: int | None = None, **config_overrides
+def write_llama_gguf(
+    path,
+    config: dict,
+    *,
+    weights,
+    tensor_type: str = "F32",
+    vocab_size: int | None = None,
+    name: str = "lockgate tiny test model",
 ) -> pathlib.Path:
-    """Write a tiny llama GGUF with random weights and return its path.
+    """Write a llama GGUF of shape `config` (every key of `TINY_CONFIG`)
+    with the tiny tokenizer and `weights`' tensors; returns its path.
 
-    With `config_overrides` and `vocab_size` the same writer makes a
-    random-weight model of any llama shape (benchmarks/gpu_check.sh writes
-    one of Llama-3-8B's).
-
-    :param tensor_type: GGML type of the 2-D weights: F32, F16, Q8_0, Q4_0,
-        Q4_1 (norms stay F32, as in real files).
-    :param seed: seed of the weights.
+    :param weights: the source of the tensors (`NumpyWeights` or one with
+        the same methods); asked for them in file order.
+    :param tensor_type: GGML type of the 2-D weights; norms stay F32, as in
+        real files.
     :param vocab_size: pad the tiny vocabulary with placeholder tokens up to
         this size; None keeps it as it is.
-    :param config_overrides: any key of `TINY_CONFIG`.
     """
-    unknown = set(config_overrides) - set(TINY_CONFIG)
-    if unknown:
-        raise TypeError(f"unknown config keys: {sorted(unknown)}")
-    cfg = {**TINY_CONFIG, **config_overrides}
+    missing = set(TINY_CONFIG) - set(config)
+    unknown = set(config) - set(TINY_CONFIG)
+    if missing or unknown:
+        raise TypeError(f"config keys missing: {sorted(missing)}, unknown: {sorted(unknown)}")
+    cfg = config
     path = pathlib.Path(path)
-    rng = np.random.default_rng(seed)
     tokens = tiny_vocab()
     if vocab_size is not None:
+        if vocab_size < len(tokens):
+            raise ValueError(f"vocab_size must be at least {len(tokens)}, the tiny vocabulary's size")
         tokens += [f"<|placeholder_{i}|>" for i in range(vocab_size - len(tokens))]
     vocab = len(tokens)
     hidden, ffn = cfg["hidden_size"], cfg["intermediate_size"]
     n_head, n_kv, head_dim = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
 
-    def linear(out_features: int, in_features: int) -> np.ndarray:
-        return (rng.standard_normal((out_features, in_features)) * (0.5 / np.sqrt(in_features))).astype(np.float32)
-
-    def norm() -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
-
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("lockgate tiny test model")
+    writer.add_name(name)
     writer.add_context_length(cfg["context_length"])
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
@@ -144,28 +170,60 @@ def write_tiny_gguf(
     writer.add_pad_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
 
-    embed = (rng.standard_normal((vocab, hidden)) * 0.2).astype(np.float32)
-    _add_weight(writer, "token_embd.weight", embed, tensor_type)
+    def add(tensor_name: str, w) -> None:
+        data, raw_dtype = weights.encode(w, tensor_type)
+        writer.add_tensor(tensor_name, data, raw_dtype=raw_dtype)
+
+    def add_norm(tensor_name: str) -> None:
+        data, _ = weights.encode(weights.norm(hidden), "F32")
+        writer.add_tensor(tensor_name, data)
+
+    add("token_embd.weight", weights.embedding(vocab, hidden))
     for i in range(cfg["num_layers"]):
         p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", norm())
-        q = permute_for_llama_cpp(linear(n_head * head_dim, hidden), n_head)
-        k = permute_for_llama_cpp(linear(n_kv * head_dim, hidden), n_kv)
-        _add_weight(writer, p + "attn_q.weight", q, tensor_type)
-        _add_weight(writer, p + "attn_k.weight", k, tensor_type)
-        _add_weight(writer, p + "attn_v.weight", linear(n_kv * head_dim, hidden), tensor_type)
-        _add_weight(writer, p + "attn_output.weight", linear(hidden, n_head * head_dim), tensor_type)
-        writer.add_tensor(p + "ffn_norm.weight", norm())
-        _add_weight(writer, p + "ffn_gate.weight", linear(ffn, hidden), tensor_type)
-        _add_weight(writer, p + "ffn_up.weight", linear(ffn, hidden), tensor_type)
-        _add_weight(writer, p + "ffn_down.weight", linear(hidden, ffn), tensor_type)
-    writer.add_tensor("output_norm.weight", norm())
+        add_norm(p + "attn_norm.weight")
+        add(p + "attn_q.weight", weights.permute(weights.linear(n_head * head_dim, hidden), n_head))
+        add(p + "attn_k.weight", weights.permute(weights.linear(n_kv * head_dim, hidden), n_kv))
+        add(p + "attn_v.weight", weights.linear(n_kv * head_dim, hidden))
+        add(p + "attn_output.weight", weights.linear(hidden, n_head * head_dim))
+        add_norm(p + "ffn_norm.weight")
+        add(p + "ffn_gate.weight", weights.linear(ffn, hidden))
+        add(p + "ffn_up.weight", weights.linear(ffn, hidden))
+        add(p + "ffn_down.weight", weights.linear(hidden, ffn))
+    add_norm("output_norm.weight")
     if not cfg["tie_word_embeddings"]:
-        head = (rng.standard_normal((vocab, hidden)) * 0.2).astype(np.float32)
-        _add_weight(writer, "output.weight", head, tensor_type)
+        add("output.weight", weights.embedding(vocab, hidden))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_gguf(
+    path, *, tensor_type: str = "F32", seed: int = 0, vocab_size: int | None = None, **config_overrides
+) -> pathlib.Path:
+    """Write a tiny llama GGUF with random weights and return its path.
+
+    With `config_overrides` and `vocab_size` the same writer makes a
+    random-weight model of any llama shape (benchmarks/random_gguf.py writes
+    real shapes through `write_llama_gguf`, drawing on the GPU when it can).
+
+    :param tensor_type: GGML type of the 2-D weights: F32, F16, Q8_0, Q4_0,
+        Q4_1 (norms stay F32, as in real files).
+    :param seed: seed of the weights.
+    :param vocab_size: pad the tiny vocabulary with placeholder tokens up to
+        this size; None keeps it as it is.
+    :param config_overrides: any key of `TINY_CONFIG`.
+    """
+    unknown = set(config_overrides) - set(TINY_CONFIG)
+    if unknown:
+        raise TypeError(f"unknown config keys: {sorted(unknown)}")
+    return write_llama_gguf(
+        path,
+        {**TINY_CONFIG, **config_overrides},
+        weights=NumpyWeights(seed),
+        tensor_type=tensor_type,
+        vocab_size=vocab_size,
+    )
