@@ -34,6 +34,14 @@ sequences. Other load on the machine skews both sides alike only when
 they run close together: compare the ratios of one run.
 
     python benchmarks/executor.py [--threads N] [--model PATH] [--no-llama-cpp]
+
+`--sweep` measures lockgate alone instead, in this process, and prints each
+figure as it is measured: prefill tok/s in 512-token chunks and decode tok/s
+at batch 1, 16, 64 and 256 (`--batches`), each time-bounded
+(`--figure-seconds`, `--deadline-seconds`); benchmarks/gpu_check.sh runs it
+on CUDA:
+
+    python benchmarks/executor.py --sweep --model PATH --target cuda [--label NAME]
 """
 
 from __future__ import annotations
@@ -85,7 +93,18 @@ class LockgateRunner:
 
     name = "lockgate"
 
-    def __init__(self, path: pathlib.Path, threads: int, total_tokens: int, cache_dir: pathlib.Path):
+    def __init__(
+        self,
+        path: pathlib.Path,
+        threads: int | None,
+        total_tokens: int,
+        cache_dir: pathlib.Path | None,
+        *,
+        max_num_seqs: int = max(BATCHES),
+        target: str | None = None,
+        prefill_chunk_size: int | None = None,
+        progress=None,
+    ):
         import gguf
 
         from lockgate.models.executor import ExecutorOptions, ModelFile
@@ -93,11 +112,15 @@ class LockgateRunner:
         from lockgate.plugins.tvm.executor import create_executor
 
         config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
+        # the server's defaults for whatever is not given
+        given = {"target": target, "prefill_chunk_size": prefill_chunk_size}
         options = ExecutorOptions(
-            max_num_seqs=max(BATCHES),
+            max_num_seqs=max_num_seqs,
             max_total_tokens=total_tokens,
             cache_dir=cache_dir,
             num_threads=threads,
+            progress=progress,
+            **{key: value for key, value in given.items() if value is not None},
         )
         self.executor = create_executor(ModelFile(path, config), options)
         self.vocab_size = config.vocab_size
@@ -285,6 +308,116 @@ def child(args) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+# sweep: lockgate alone, each figure printed as it is measured ------------------
+
+#: tokens each sequence holds before its decode steps are timed
+SWEEP_PROMPT = 16
+
+
+class OutOfTime(Exception):
+    """The sweep's deadline passed while a figure was being set up."""
+
+
+def sweep(args) -> None:
+    """lockgate's executor alone, in this process (`--sweep`): the start
+    time, prefill tok/s of `--prefill-chunk`-token prompts (each a new
+    sequence; median of `--repeats` after one warm-up) and decode tok/s at
+    each of `--batches` (sequences of SWEEP_PROMPT tokens, two warm-up steps,
+    then up to `--decode-steps` timed steps or `--figure-seconds`). Decode
+    feeds random tokens rather than each step's argmax, so the figure is the
+    executor's step alone. Each figure is printed as soon as it is measured;
+    once `--deadline-seconds` have passed, the remaining ones print as
+    skipped, so a cut-off run still says what it measured."""
+    deadline = time.monotonic() + args.deadline_seconds if args.deadline_seconds else float("inf")
+    label = args.label or args.model.name
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    chunk = args.prefill_chunk
+    page = 16
+    room = -(-(SWEEP_PROMPT + 2 + args.decode_steps) // page) * page
+    total_tokens = max(max(batches) * room, chunk + page)
+
+    def progress(message: str) -> None:
+        print(f"{label}:   [{message}]", flush=True)
+
+    started = time.perf_counter()
+    runner = LockgateRunner(
+        args.model,
+        args.threads,
+        total_tokens,
+        args.cache_dir,
+        max_num_seqs=max(batches),
+        target=args.target,
+        prefill_chunk_size=chunk,
+        progress=progress,
+    )
+    print(f"{label}: executor ready in {time.perf_counter() - started:.1f} s "
+          f"(compile or cache, weights, a KV cache of {total_tokens} tokens)", flush=True)
+    vocab = runner.vocab_size
+    rng = np.random.default_rng(0)
+
+    def out_of_time() -> bool:
+        return time.monotonic() >= deadline
+
+    def prefill() -> str:
+        times = []
+        for i in range(1 + args.repeats):
+            if i > 1 and (out_of_time() or sum(times) > args.figure_seconds):
+                break
+            if i == 1 and out_of_time():
+                raise OutOfTime
+            runner.add_sequence(0)
+            prompt = rng.integers(3, vocab, chunk).tolist()
+            t = time.perf_counter()
+            runner.prefill([0], [prompt])
+            elapsed = time.perf_counter() - t
+            runner.remove_sequence(0)
+            if i:  # the first pays one-off allocations
+                times.append(elapsed)
+        median = statistics.median(times)
+        return f"{chunk / median:.1f} tok/s ({1000 * median:.1f} ms per chunk, median of {len(times)})"
+
+    def decode(batch: int) -> str:
+        ids = list(range(batch))
+        for seq_id in ids:
+            runner.add_sequence(seq_id)
+        try:
+            per_call = max(1, chunk // SWEEP_PROMPT)
+            for start in range(0, batch, per_call):
+                if out_of_time():
+                    raise OutOfTime
+                part = ids[start : start + per_call]
+                runner.prefill(part, [rng.integers(3, vocab, SWEEP_PROMPT).tolist() for _ in part])
+            feed = rng.integers(3, vocab, (2 + args.decode_steps, batch))
+            for step in range(2):
+                runner.decode(ids, feed[step].tolist())
+            if out_of_time():
+                raise OutOfTime
+            steps = 0
+            t = time.perf_counter()
+            while steps < args.decode_steps:
+                runner.decode(ids, feed[2 + steps].tolist())
+                steps += 1
+                if steps >= 2 and (time.perf_counter() - t > args.figure_seconds or out_of_time()):
+                    break
+            elapsed = time.perf_counter() - t
+        finally:
+            for seq_id in ids:
+                runner.remove_sequence(seq_id)
+        return f"{batch * steps / elapsed:.1f} tok/s total ({1000 * elapsed / steps:.2f} ms/step, {steps} steps)"
+
+    figures = [(f"prefill {chunk}-token chunks", prefill)]
+    figures += [(f"decode batch {b}", lambda b=b: decode(b)) for b in batches]
+    for name, measure_one in figures:
+        if out_of_time():
+            print(f"{label}: {name}: skipped, the time cap was reached", flush=True)
+            continue
+        try:
+            print(f"{label}: {name}: {measure_one()}", flush=True)
+        except OutOfTime:
+            print(f"{label}: {name}: skipped, the time cap was reached while setting it up", flush=True)
+    runner.executor.close()
+
+
 def run_child(engine: str, args, cache_dir: pathlib.Path | None, start_only: bool = False) -> dict:
     command = [
         sys.executable,
@@ -332,10 +465,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per engine")
     parser.add_argument("--cache-dir", type=pathlib.Path, default=None)
     parser.add_argument("--no-llama-cpp", action="store_true", help="measure lockgate only")
+    sweeping = parser.add_argument_group(
+        "--sweep: lockgate alone, each figure printed as measured (benchmarks/gpu_check.sh)")
+    sweeping.add_argument("--sweep", action="store_true",
+                          help="prefill and decode at --batches, lockgate only, in this process")
+    sweeping.add_argument("--label", help="prefix of every line (default: the model file's name)")
+    sweeping.add_argument("--target", choices=["auto", "llvm", "cuda"], default=None,
+                          help="compile target (default: the server's, auto)")
+    sweeping.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (default 1,16,64,256)")
+    sweeping.add_argument("--prefill-chunk", type=int, default=512,
+                          help="prefill chunk and prompt length (default 512)")
+    sweeping.add_argument("--figure-seconds", type=float, default=5.0,
+                          help="timed seconds one figure may take at most (default 5)")
+    sweeping.add_argument("--deadline-seconds", type=float, default=None,
+                          help="figures not started by then are skipped (default: no limit)")
     parser.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.model = args.model or default_model_path()
+    if args.sweep:
+        sweep(args)
+        return
     if args.child:
         child(args)
         return
