@@ -43,7 +43,7 @@ same token):
    `g` of steps 2–3, so the device sorts `y` once, cumulates `g` of it, and
    takes the cut value `v` and how many tokens equal to `v` the host's
    stable order keeps (`r`); in vocabulary order it then keeps `p > v`, and
-   the first `r` tokens with `p == v` (an exclusive cumulative count);
+   the first `r` tokens with `p == v` (a cumulative count of them);
 5. the draw: the first token whose cumulative kept mass (vocabulary order)
    exceeds `u * total`, `u` the row's uniform, drawn on the host from the
    request's own generator exactly where the host sampler draws it (one
@@ -291,7 +291,7 @@ def _is_cut_te(p: te.Tensor, cut: te.Tensor) -> te.Tensor:
 
 def _kept_te(p: te.Tensor, cut: te.Tensor, rank: te.Tensor, ties: te.Tensor) -> te.Tensor:
     def body(i, j):
-        keep = tirx.any(p[i, j] > cut[i], tirx.all(p[i, j] == cut[i], rank[i, j] < ties[i]))
+        keep = tirx.any(p[i, j] > cut[i], tirx.all(p[i, j] == cut[i], rank[i, j] <= ties[i]))
         return tirx.Select(keep, p[i, j], tirx.const(0.0, "float64"))
 
     return te.compute(p.shape, body, name="kept")
@@ -322,8 +322,16 @@ def _token_logprob_te(logits, m, lse, tokens) -> te.Tensor:
     )
 
 
-def _shift_te(values, m, lse) -> te.Tensor:
-    return te.compute(values.shape, lambda i, j: (values[i, j] - m[i]) - lse[i], name="top_logprob")
+def _best_te(order: te.Tensor, n: int) -> te.Tensor:
+    return te.compute((order.shape[0], n), lambda i, j: order[i, j], name="best")
+
+
+def _top_logprob_te(logits, ids, m, lse) -> te.Tensor:
+    return te.compute(
+        ids.shape,
+        lambda i, j: (logits[i, ids[i, j].astype("int64")] - m[i]) - lse[i],
+        name="top_logprob",
+    )
 
 
 # ------------------------------------------------------------------ module
@@ -398,7 +406,7 @@ def sampler_module(vocab: int, gpu: bool) -> tvm.IRModule:
                     ties = bb.emit_te(_ties_kept_te, sorted_p, cut, keep, primfunc_name_hint="ties_kept")
                     p = bb.emit_te(_probs_te, y, m, kth, total, min_p, "probs", primfunc_name_hint="probs")
                     is_cut = bb.emit_te(_is_cut_te, p, cut, primfunc_name_hint="is_cut")
-                    rank = bb.emit(relax.op.cumsum(is_cut, axis=1, dtype="int32", exclusive=True))
+                    rank = bb.emit(relax.op.cumsum(is_cut, axis=1, dtype="int32"))
                     p = bb.emit_te(_kept_te, p, cut, rank, ties, primfunc_name_hint="kept")
                 else:
                     total = bb.emit_te(_mass_te, y, m, None, primfunc_name_hint="mass")
@@ -417,12 +425,11 @@ def sampler_module(vocab: int, gpu: bool) -> tvm.IRModule:
             m = bb.emit_te(_row_max, logits, "logit_max", primfunc_name_hint="logit_max")
             lse = bb.emit_te(_lse_te, logits, m, primfunc_name_hint="lse")
             token_lp = bb.emit_te(_token_logprob_te, logits, m, lse, chosen, primfunc_name_hint="token_logprob")
-            best = bb.emit(
-                relax.op.topk(logits, k=min(MAX_TOP_LOGPROBS, vocab), axis=-1, ret_type="both", dtype="int32")
-            )
-            values = bb.emit(relax.TupleGetItem(best, 0))
-            ids = bb.emit(relax.TupleGetItem(best, 1))
-            top_lp = bb.emit_te(_shift_te, values, m, lse, primfunc_name_hint="top_logprob")
+            # argsort and a gather rather than topk: TVM's GPU topk is the
+            # same sort followed by a slice it leaves to dl.gpu.Fallback
+            order = bb.emit(relax.op.argsort(logits, axis=1, descending=True, dtype="int32"))
+            ids = bb.emit_te(_best_te, order, min(MAX_TOP_LOGPROBS, vocab), primfunc_name_hint="best")
+            top_lp = bb.emit_te(_top_logprob_te, logits, ids, m, lse, primfunc_name_hint="top_logprob")
             out = bb.emit_output(relax.Tuple([token_lp, ids, top_lp]))
         bb.emit_func_output(out)
 
