@@ -50,6 +50,19 @@ class LockgateError(Exception):
         if retry_after is not None:
             self.headers.setdefault("Retry-After", str(retry_after))
 
+    def __reduce__(self):
+        # Exception pickles its args alone, which would lose param, code and
+        # headers; an error raised in another process (a Ray replica) must
+        # arrive as the same answer.
+        return (_rebuild_error, (type(self), self.message, dict(self.__dict__)))
+
+
+def _rebuild_error(cls: type[LockgateError], message: str, state: dict[str, Any]) -> LockgateError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 class InvalidRequestError(LockgateError):
     """The request is malformed or asks for something out of range (400)."""

@@ -38,11 +38,22 @@ class _EngineGauges(Collector):
             "kv_pages_total": GaugeMetricFamily(
                 "lockgate_kv_pages_total", "KV cache pages in all.", labels=["model"]),
         }
+        per_replica = {
+            key: GaugeMetricFamily(family.name.replace("lockgate_", "lockgate_replica_", 1),
+                                   family.documentation + " One engine replica's.",
+                                   labels=["model", "replica"])
+            for key, family in families.items()
+        }
         for engine in self.engines:
             stats = engine.stats()
             for key, family in families.items():
                 family.add_metric([engine.name], stats[key])
+            # engines on Ray Serve replicas (lockgate.plugins.ray) also say each one's share
+            for replica, figures in stats.get("replicas", {}).items():
+                for key, family in per_replica.items():
+                    family.add_metric([engine.name, replica], figures[key])
         yield from families.values()
+        yield from (family for family in per_replica.values() if family.samples)
 
 
 class Metrics:

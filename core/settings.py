@@ -157,6 +157,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefix_cache", bool, True,
             "keep finished sequences' KV pages, indexed by their tokens, for requests that share a prefix "
             "(evicted least recently used when pages are short); `--no-prefix-cache` turns it off"),
+    Setting("replicas", str, None,
+            "engine replicas on Ray Serve (`lockgate[ray]`): a number, or `auto` to scale between "
+            "`--min-replicas` and `--max-replicas` on ongoing requests",
+            default_text="none: one engine in this process", metavar="N|auto"),
+    Setting("min_replicas", int, 1, "fewest replicas with `--replicas auto`"),
+    Setting("max_replicas", int, 4, "most replicas with `--replicas auto`"),
+    Setting("ray_address", str, "local",
+            "the Ray cluster replicas run on: `local` starts one in this process; `auto`, "
+            "`ray://HOST:10001` or `HOST:6379` join an existing one (KubeRay included)", metavar="ADDRESS"),
+    Setting("gpus_per_replica", float, 0.0, "GPUs Ray gives each replica (0: CPU replicas)"),
+    Setting("cpus_per_replica", float, 1.0,
+            "CPUs Ray reserves for each replica (its executor threads are `--num-threads`)"),
     Setting("num_threads", int, None, "CPU threads for the executor", default_text="all cores"),
     Setting("cache_dir", Path, None, "where compiled models are cached",
             default_text="`~/.cache/lockgate`", metavar="DIR"),

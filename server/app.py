@@ -33,6 +33,7 @@ from lockgate.server.middlewares import (
     error_middleware,
     request_id_middleware,
     set_cors_headers,
+    set_replica_header,
     set_request_id_header,
 )
 from lockgate.server.responses_api import RESPONSE_STORE, ResponseStore, responses_routes
@@ -65,6 +66,7 @@ def create_app(
     app[METRICS] = Metrics()
     app.on_response_prepare.append(set_request_id_header)
     app.on_response_prepare.append(set_cors_headers)
+    app.on_response_prepare.append(set_replica_header)
     app.add_routes(routes)
     # the OpenAI API: counted, and behind the API key when keys are set
     api = web.Application(
@@ -99,13 +101,18 @@ def _model_lifecycle(given: list[Model] | None):
                 # left is failed with 503 now
                 await loop.run_in_executor(None, model.engine.shutdown, 0.0)
                 if owned:
-                    model.executor.close()
+                    model.close()
 
     return lifecycle
 
 
 def load_from_settings(pm: pluggy.PluginManager, settings: Settings) -> Model:
-    """Load the model `settings` names, reporting progress in the log."""
+    """Load the model `settings` names, reporting progress in the log; with
+    `settings.replicas`, its engines run as replicas on Ray Serve."""
+    if settings.replicas is not None:
+        from lockgate.plugins.ray import serve_on_ray
+
+        return serve_on_ray(pm, settings, progress=lambda message: log.info(message, model=settings.model))
     chat_template = None
     if settings.chat_template is not None:
         chat_template = settings.chat_template.read_text()

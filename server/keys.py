@@ -24,5 +24,7 @@ PIPELINE_REQUEST = web.RequestKey("lockgate_pipeline_request", GenerationRequest
 ERROR_ANSWER = web.RequestKey("lockgate_error_answer", tuple)
 #: per-request: set when the request counter counts it (the API's requests)
 COUNTED = web.RequestKey("lockgate_counted", bool)
+#: per-request: the handles of its admitted work (for response headers)
+HANDLES = web.RequestKey("lockgate_handles", list)
 #: per-request: token counts for the summary line
 USAGE = web.RequestKey("lockgate_usage", Usage)

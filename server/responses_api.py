@@ -25,7 +25,7 @@ from lockgate.plugin_api.pipeline import run_pipeline
 from lockgate.plugin_api.request import Message, string
 from lockgate.plugin_api.responses import ResponsesRequest, parse_responses_request
 from lockgate.plugin_api.tool_calls import ToolCall
-from lockgate.server.keys import MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, USAGE
+from lockgate.server.keys import HANDLES, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, USAGE
 from lockgate.server.protocol import error_response, read_json_body
 from lockgate.server.routes import _MergedDeltas, _usage, end_event_stream, open_event_stream, write_event
 
@@ -177,6 +177,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     typed = parse_responses_request(body, request_id=request[REQUEST_ID], history=history)
     request[PIPELINE_REQUEST] = typed
     handles = await run_pipeline(request.config_dict[PLUGIN_MANAGER], typed, model)
+    request[HANDLES] = handles
     tool_format = model.tool_call_format if typed.reads_tool_output else None
     builder = ResponseBuilder(typed, model.name)
     try:

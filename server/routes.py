@@ -27,7 +27,7 @@ from lockgate.plugin_api.request import (
     GenerationRequest,
     parse_request,
 )
-from lockgate.server.keys import METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS, USAGE
+from lockgate.server.keys import HANDLES, METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS, USAGE
 from lockgate.server.middlewares import require_api_key
 from lockgate.server.protocol import ResponseBuilder, error_body, error_response, model_card, read_json_body
 
@@ -154,6 +154,7 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     request[PIPELINE_REQUEST] = typed
     # everything that can refuse the request runs before a byte is sent
     handles = await run_pipeline(request.config_dict[PLUGIN_MANAGER], typed, model)
+    request[HANDLES] = handles
     builder = ResponseBuilder(
         chat=typed.is_chat, request_id=typed.id, model=model.name, token_bytes=model.token_bytes
     )

@@ -43,6 +43,7 @@ __all__ = [
     "compile_grammar",
     "compile_json_schema",
     "prepare_tokenizer",
+    "rebuild_grammar",
 ]
 
 #: what schema errors are about; the request says which field held the schema
@@ -196,6 +197,15 @@ def compile_grammar(
     return run_with_large_stack(lambda: _checked(grammar, llg_tokenizer))
 
 
+def rebuild_grammar(
+    source: str, tokenizer, *, eos_token_ids: Sequence[int] | None = None
+) -> Grammar:
+    """A `Grammar` from the `source` of one compiled for the same model
+    elsewhere (the grammar text, not a schema: it was checked there)."""
+    llg_tokenizer = _llg_tokenizer(tokenizer, eos_token_ids)
+    return run_with_large_stack(lambda: _checked(source, llg_tokenizer))
+
+
 def closed_objects(schema: Mapping[str, Any]) -> Mapping[str, Any]:
     """`schema` with every object that declares `properties` closed to other
     keys (`additionalProperties: false`) unless it says otherwise.
@@ -241,6 +251,7 @@ def _checked(grammar: str, llg_tokenizer) -> Grammar:
         llg_tokenizer.vocab_size,
         frozenset(llg_tokenizer.eos_tokens),
         tuple(template.get_grammar_warnings()),
+        grammar,
     )
     # Some schemas only fail at the first step (a `$ref` cycle that never
     # reaches a value); take that step now so they fail here, as a 400.
@@ -257,7 +268,7 @@ class Grammar:
     """A compiled `response_format`: immutable, shared by every choice of a
     request. Each generated sequence gets its own `matcher()`."""
 
-    __slots__ = ("_eos_token_ids", "_template", "_vocab_size", "_warnings")
+    __slots__ = ("_eos_token_ids", "_source", "_template", "_vocab_size", "_warnings")
 
     def __init__(
         self,
@@ -265,12 +276,20 @@ class Grammar:
         vocab_size: int,
         eos_token_ids: frozenset[int],
         warnings: tuple[str, ...],
+        source: str,
     ) -> None:
         # never advanced: only copied, so it stays at the start of the grammar
         self._template = template
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
         self._warnings = warnings
+        self._source = source
+
+    @property
+    def source(self) -> str:
+        """The llguidance grammar text this was compiled from: what another
+        process (a Ray replica) rebuilds it from with `rebuild_grammar`."""
+        return self._source
 
     @property
     def vocab_size(self) -> int:

@@ -32,14 +32,15 @@ class ModelSpec:
 
 @dataclasses.dataclass
 class Model:
-    """A loaded model: tokenizer, executor and the engine that serves it."""
+    """A loaded model: tokenizer, executor and the engine that serves it
+    (`executor` is None where the engine runs in other processes)."""
 
     name: str
     path: Path
     config: LlamaConfig
     tokenizer: Any
     eos_token_ids: list[int]
-    executor: Executor
+    executor: Executor | None
     engine: Engine
     aliases: tuple[str, ...] = ()
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
@@ -57,9 +58,18 @@ class Model:
     def context_length(self) -> int:
         return self.engine.context_length
 
+    def close(self) -> None:
+        """Release the executor, or the engine's replicas where it has some
+        elsewhere (`RayEngine.close`)."""
+        if self.executor is not None:
+            self.executor.close()
+        close_engine = getattr(self.engine, "close", None)
+        if close_engine is not None:
+            close_engine()
+
     @property
     def vocab_size(self) -> int:
-        return self.executor.vocab_size
+        return self.config.vocab_size if self.executor is None else self.executor.vocab_size
 
 
 def registered_models(pm: pluggy.PluginManager) -> dict[str, ModelSpec]:
@@ -92,23 +102,53 @@ def registered_tool_call_formats(pm: pluggy.PluginManager) -> list[type]:
     return formats
 
 
-def load_model(
+@dataclasses.dataclass
+class ModelSource:
+    """What serving a model needs besides its executor: the file, its
+    architecture, tokenizer and tool-call format. The front of a server whose
+    engines run elsewhere (`lockgate.plugins.ray`) holds only this."""
+
+    name: str
+    path: Path
+    config: LlamaConfig
+    metadata: Any
+    tokenizer: Any
+    eos_token_ids: list[int]
+    aliases: tuple[str, ...] = ()
+    tool_call_format: Any = None
+
+    def model_file(self) -> ModelFile:
+        return ModelFile(path=self.path, config=self.config, metadata=self.metadata)
+
+    def serve_with(self, engine: Any, executor: Executor | None = None) -> Model:
+        """The `Model` this source becomes with `engine` serving it
+        (`executor` None: the engine runs elsewhere)."""
+        return Model(
+            name=self.name,
+            path=self.path,
+            config=self.config,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            executor=executor,
+            engine=engine,
+            aliases=self.aliases,
+            tool_call_format=self.tool_call_format,
+        )
+
+
+def open_model(
     pm: pluggy.PluginManager,
     model: str,
     *,
-    executor: str = "tvm",
     served_name: str | None = None,
     chat_template: str | None = None,
-    executor_options: ExecutorOptions = ExecutorOptions(),
-    engine_options: EngineOptions = EngineOptions(),
     tool_call_format: str | None = None,
-) -> Model:
-    """Load `model` (a registered name or alias, or a path to a GGUF file).
-
-    Builds the tokenizer from the file's metadata (`chat_template` text
-    overrides the file's template), compiles or loads the executor, and
-    creates the engine (not yet started).
-    """
+    progress: Callable[[str], None] | None = None,
+) -> ModelSource:
+    """Find `model` (a registered name or alias, or a path to a GGUF file)
+    and read what serving it needs short of an executor: the config, the
+    tokenizer (`chat_template` text overrides the file's template) and the
+    tool-call format."""
     from lockgate.models.gguf_metadata import GGUFMetadata
     from lockgate.engine.structured import prepare_tokenizer
     from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
@@ -128,14 +168,8 @@ def load_model(
                 f"{model!r} is neither a registered model (known: {known}) nor a GGUF file"
             )
         name = path.name.removesuffix(".gguf")
-    factories = registered_executors(pm)
     formats = registered_tool_call_formats(pm)
-    if executor not in factories:
-        raise ModelLoadError(
-            f"no executor named {executor!r}; registered: {', '.join(sorted(factories)) or 'none'}"
-        )
-    progress = executor_options.progress or (lambda message: None)
-    progress(f"reading {path}")
+    (progress or (lambda message: None))(f"reading {path}")
     # The header is parsed once: the config, the tokenizer and the executor
     # (through `ModelFile.metadata`) all read this copy.
     metadata = GGUFMetadata(path)
@@ -149,27 +183,55 @@ def load_model(
     # the grammar engine's copy of the vocabulary, built once so the first
     # structured-output request does not pay for it
     prepare_tokenizer(tokenizer, eos_token_ids=eos_ids)
-    backend = factories[executor](ModelFile(path=path, config=config, metadata=metadata), executor_options)
-    del metadata
-    engine = Engine(
-        backend,
-        tokenizer,
-        eos_token_ids=eos_ids,
-        context_length=config.context_length,
-        options=engine_options,
-        name=served_name or name,
-    )
-    return Model(
+    return ModelSource(
         name=served_name or name,
         path=path,
         config=config,
+        metadata=metadata,
         tokenizer=tokenizer,
         eos_token_ids=eos_ids,
-        executor=backend,
-        engine=engine,
         aliases=aliases,
         tool_call_format=tool_format,
     )
+
+
+def load_model(
+    pm: pluggy.PluginManager,
+    model: str,
+    *,
+    executor: str = "tvm",
+    served_name: str | None = None,
+    chat_template: str | None = None,
+    executor_options: ExecutorOptions = ExecutorOptions(),
+    engine_options: EngineOptions = EngineOptions(),
+    tool_call_format: str | None = None,
+) -> Model:
+    """Load `model` (a registered name or alias, or a path to a GGUF file).
+
+    Builds the tokenizer from the file's metadata (`chat_template` text
+    overrides the file's template), compiles or loads the executor, and
+    creates the engine (not yet started).
+    """
+    factories = registered_executors(pm)
+    if executor not in factories:
+        raise ModelLoadError(
+            f"no executor named {executor!r}; registered: {', '.join(sorted(factories)) or 'none'}"
+        )
+    source = open_model(
+        pm, model, served_name=served_name, chat_template=chat_template,
+        tool_call_format=tool_call_format, progress=executor_options.progress,
+    )
+    backend = factories[executor](source.model_file(), executor_options)
+    source.metadata = None
+    engine = Engine(
+        backend,
+        source.tokenizer,
+        eos_token_ids=source.eos_token_ids,
+        context_length=source.config.context_length,
+        options=engine_options,
+        name=source.name,
+    )
+    return source.serve_with(engine, backend)
 
 
 class ServedModels:

@@ -34,6 +34,8 @@ DEFAULT_PLUGINS = (
 DISABLED_PLUGINS_ENV = "LOCKGATE_DISABLED_PLUGINS"
 DISABLE_AUTOLOAD_ENV = "LOCKGATE_DISABLE_PLUGIN_AUTOLOAD"
 TRACE_PLUGINS_ENV = "LOCKGATE_TRACE_PLUGINS"
+#: modules registered as plugins without an entry point (pytest's `PYTEST_PLUGINS`)
+PLUGINS_ENV = "LOCKGATE_PLUGINS"
 
 #: Built-ins without which every request fails, so `LOCKGATE_DISABLED_PLUGINS`
 #: may not name them: name -> (the hook a plugin implements instead, why).
@@ -148,7 +150,10 @@ def get_plugin_manager(*, autoload: bool = True, plugins: Iterable[object] = ())
 
     Registers the built-in plugins, then (unless `autoload` is False or
     `LOCKGATE_DISABLE_PLUGIN_AUTOLOAD` is set) the `lockgate` entry points, then
-    `plugins` (modules, classes or instances, for tests and embedding). Names
+    the modules named in `LOCKGATE_PLUGINS` (comma separated, importable
+    names: a plugin that is not packaged, or one that must also load in Ray
+    replicas, which inherit the variable), then `plugins` (modules, classes
+    or instances, for tests and embedding). Names
     in `LOCKGATE_DISABLED_PLUGINS` (comma separated: a built-in's short name
     such as "validate" or an entry point's name) are blocked.
     `LOCKGATE_TRACE_PLUGINS=1` logs every hook call (`trace_hook_calls`).
@@ -174,6 +179,9 @@ def get_plugin_manager(*, autoload: bool = True, plugins: Iterable[object] = ())
         pm.register(importlib.import_module(module_name), name=short_name)
     if autoload and not os.environ.get(DISABLE_AUTOLOAD_ENV):
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    for module_name in _named_plugin_modules():
+        if pm.get_plugin(module_name) is None and not pm.is_blocked(module_name):
+            pm.register(_import_plugin(module_name), name=module_name)
     for plugin in plugins:
         pm.register(plugin)
     pm.check_pending()
@@ -181,6 +189,17 @@ def get_plugin_manager(*, autoload: bool = True, plugins: Iterable[object] = ())
     if os.environ.get(TRACE_PLUGINS_ENV, "") not in ("", "0"):
         trace_hook_calls(pm)
     return pm
+
+
+def _named_plugin_modules() -> list[str]:
+    return [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
+
+
+def _import_plugin(module_name: str) -> object:
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PluginError(f"{PLUGINS_ENV} names {module_name!r}, which cannot be imported: {exc}") from None
 
 
 def describe_plugins(pm: pluggy.PluginManager) -> list[dict[str, object]]:

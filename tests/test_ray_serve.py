@@ -1,0 +1,286 @@
+"""Scale-out on Ray Serve (`lockgate serve --replicas 2 --ray-address local`):
+the same answers, errors and clean-up as one local engine, across replica
+processes, with prefix affinity and a replica killed mid-stream.
+
+Each server here is a real `lockgate serve` process that starts a local Ray
+cluster with two engine replicas on the tiny model (about 20 s)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from conftest import TINY_EXECUTOR, wait_for
+from lockgate.plugin_api.manager import get_plugin_manager
+from poisoned_executor import POISON
+from test_launch import free_port
+
+TESTS = pathlib.Path(__file__).parent
+EXECUTOR_FLAGS = [f"--{key.replace('_', '-')}={value}" for key, value in TINY_EXECUTOR.items()]
+
+
+class RayServer:
+    def __init__(self, tiny_gguf, tmp_path, *flags: str) -> None:
+        self.port = free_port()
+        self.log = open(tmp_path / f"serve-{self.port}.log", "w+")
+        env = {
+            **os.environ,
+            "LOCKGATE_PLUGINS": "poisoned_executor",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+            "RAY_AUTH_MODE": "disabled",
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lockgate.server.cli", "serve", "--model", str(tiny_gguf),
+             "--served-model-name", "tiny", "--port", str(self.port), "--replicas", "2",
+             "--ray-address", "local", "--cpus-per-replica", "0.5", "--num-threads", "1",
+             *EXECUTOR_FLAGS, *flags],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 240
+        while not self._replicas_up(2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"server did not start:\n{self.output()}")
+            time.sleep(0.5)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-6000:]
+
+    def health(self) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                return response.status, json.load(response)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.load(exc)
+        except OSError:
+            return 0, {}
+
+    def replicas(self) -> dict[str, dict]:
+        status, body = self.health()
+        return body.get("models", {}).get("tiny", {}).get("replicas", {}) if body else {}
+
+    def _replicas_up(self, count: int) -> bool:
+        return len(self.replicas()) >= count
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="k", max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def ray_server(tiny_gguf, tmp_path_factory):
+    server = RayServer(tiny_gguf, tmp_path_factory.mktemp("ray"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_ray_server(tiny_gguf, tmp_path_factory):
+    """One sequence and one waiting request per replica, the poisoned executor."""
+    server = RayServer(tiny_gguf, tmp_path_factory.mktemp("ray-small"),
+                       "--executor", "poisoned", "--max-num-seqs", "1", "--max-queue", "1")
+    yield server
+    server.stop()
+
+
+def prompts(count: int) -> list[str]:
+    # different from the first token on: no prefix is shared, so the prefix
+    # cache never changes a result (cached KV is merged in float16)
+    return [f"{i} lamps light {i * 7} rooms" for i in range(count)]
+
+
+async def stream_text(client, prompt: str, **params) -> tuple[str, str | None]:
+    stream = await client.completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True, **params)
+    text = []
+    async for chunk in stream.parse():
+        text.extend(choice.text for choice in chunk.choices)
+    return "".join(text), stream.headers.get("x-lockgate-replica")
+
+
+async def test_two_replicas_answer_as_one_local_engine(ray_server, tiny_model, make_openai):
+    local = await make_openai(tiny_model)
+    expected = [await stream_text(local, p) for p in prompts(20)]
+    remote = ray_server.client()
+    got = await asyncio.gather(*(stream_text(remote, p) for p in prompts(20)))
+    await remote.close()
+    assert [text for text, _ in got] == [text for text, _ in expected]
+    served_by = {replica for _, replica in got}
+    assert served_by <= set(ray_server.replicas()) and len(served_by) == 2, served_by
+    # the per-replica gauges and the summed ones
+    with urllib.request.urlopen(ray_server.url + "/metrics") as response:
+        metrics = response.read().decode()
+    for replica in served_by:
+        assert f'lockgate_replica_kv_pages_total{{model="tiny",replica="{replica}"}}' in metrics
+    assert 'lockgate_generation_tokens_total{model="tiny"}' in metrics
+
+
+async def test_structured_output_n_and_logprobs_across_the_wire(ray_server, tiny_model, make_openai):
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    params = dict(model="tiny", messages=[{"role": "user", "content": "give a"}], max_tokens=40, temperature=0,
+                  n=2, logprobs=True, top_logprobs=2,
+                  response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    local = await make_openai(tiny_model)
+    remote = ray_server.client()
+    want = await local.chat.completions.create(**params)
+    got = await remote.chat.completions.create(**params)
+    await remote.close()
+    assert [c.message.content for c in got.choices] == [c.message.content for c in want.choices]
+    assert [[t.token for t in c.logprobs.content] for c in got.choices] == \
+        [[t.token for t in c.logprobs.content] for c in want.choices]
+    assert isinstance(json.loads(got.choices[0].message.content)["a"], bool)
+
+
+async def test_prefix_affinity_keeps_a_shared_prompt_on_one_replica(ray_server):
+    system = "You answer about lamps. " * 12
+    remote = ray_server.client()
+    replicas = []
+    for i in range(6):
+        reply = await remote.chat.completions.with_raw_response.create(
+            model="tiny", max_tokens=4,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}])
+        replicas.append(reply.headers["x-lockgate-replica"])
+    await remote.close()
+    assert len(set(replicas)) == 1, replicas
+
+
+async def test_client_disconnect_frees_the_remote_kv_pages(ray_server):
+    remote = ray_server.client()
+    stream = await remote.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "go on"}], max_tokens=400, stream=True,
+        extra_body={"ignore_eos": True})
+    chunks = 0
+    async for _ in stream:
+        chunks += 1
+        if chunks == 3:
+            break
+    await stream.close()
+    await remote.close()
+
+    def pages_free():
+        replicas = ray_server.replicas()
+        return replicas and all(f["kv_pages_used"] == 0 and f["requests_running"] == 0 for f in replicas.values())
+
+    await wait_for(pages_free, timeout=30, what="remote KV pages freed")
+
+
+async def test_over_long_prompt_is_400_streamed_or_not(small_ray_server):
+    remote = small_ray_server.client()
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await remote.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "lamp " * 3000}], max_tokens=4, stream=stream)
+        assert caught.value.body["code"] == "context_length_exceeded"
+        assert caught.value.body["param"] == "messages"
+    await remote.close()
+
+
+async def test_every_replica_full_is_429_with_retry_after(small_ray_server):
+    remote = small_ray_server.client()
+
+    async def one(i):
+        try:
+            reply = await remote.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": f"{i}"}], max_tokens=60,
+                extra_body={"ignore_eos": True})
+            return reply.status_code, None
+        except openai.RateLimitError as exc:
+            return 429, exc.response.headers.get("retry-after")
+
+    results = await asyncio.gather(*(one(i) for i in range(16)))
+    await remote.close()
+    refused = [retry for status, retry in results if status == 429]
+    assert refused and all(retry for retry in refused), results
+    assert any(status == 200 for status, _ in results), results
+
+
+async def test_mid_stream_fault_is_an_in_stream_error_as_locally(small_ray_server, load_tiny, make_openai):
+    import poisoned_executor
+
+    async def failed_stream(client):
+        stream = await client.completions.create(
+            model="tiny", prompt=[5, POISON, 9, 11], max_tokens=30, stream=True, extra_body={"ignore_eos": True})
+        texts = []
+        with pytest.raises(openai.APIError) as caught:
+            async for chunk in stream:
+                texts.append(chunk.choices[0].text)
+        return len(texts), caught.value
+
+    pm = get_plugin_manager(autoload=False, plugins=[poisoned_executor])
+    local = await make_openai(load_tiny(pm=pm, executor="poisoned"))
+    want_chunks, want = await failed_stream(local)
+    remote = small_ray_server.client()
+    got_chunks, got = await failed_stream(remote)
+    # the replica is fine afterwards
+    reply = await remote.completions.create(model="tiny", prompt="lamps", max_tokens=3)
+    await remote.close()
+    assert got_chunks == want_chunks > 0
+    assert (got.body or {}).get("type") == (want.body or {}).get("type")
+    assert (got.body or {}).get("code") == (want.body or {}).get("code")
+    assert reply.choices[0].finish_reason == "length"
+
+
+async def test_a_replica_killed_mid_stream(ray_server):
+    """Runs last in this module: it kills a replica process."""
+    remote = ray_server.client()
+    before = ray_server.replicas()
+    assert len(before) == 2
+
+    async def long_stream(i):
+        stream = await remote.completions.with_raw_response.create(
+            model="tiny", prompt=f"{i} long", max_tokens=300, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        replica = stream.headers["x-lockgate-replica"]
+        count = 0
+        try:
+            async for _ in stream.parse():
+                count += 1
+        except openai.APIError as exc:
+            return replica, count, exc
+        return replica, count, None
+
+    tasks = [asyncio.ensure_future(long_stream(i)) for i in range(6)]
+    await wait_for(lambda: all(f["requests_running"] for f in ray_server.replicas().values()),
+                   timeout=30, what="both replicas generating")
+    victim, victim_figures = sorted(ray_server.replicas().items())[0]
+    killed_at = time.monotonic()
+    os.kill(victim_figures["pid"], signal.SIGKILL)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+    ended_in = time.monotonic() - killed_at
+    on_victim = [r for r in results if r[0] == victim]
+    others = [r for r in results if r[0] != victim]
+    assert on_victim and others, results
+    for _, _, error in on_victim:
+        assert error is not None and error.body["code"] == "replica_lost", error
+    for _, count, error in others:
+        assert error is None and count > 0
+    assert ended_in < 60
+    # new requests succeed at once, on the survivors, while the server stays healthy
+    assert ray_server.health()[0] == 200
+    reply = await remote.completions.create(model="tiny", prompt="after", max_tokens=3)
+    assert reply.choices[0].finish_reason == "length"
+    await remote.close()
+    # and Ray Serve brings the replica back
+    await wait_for(lambda: len(ray_server.replicas()) == 2 and victim not in ray_server.replicas(),
+                   timeout=120, what="a replacement replica")
