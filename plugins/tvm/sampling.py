@@ -67,7 +67,9 @@ the forward pass instead of after it.
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
+import tempfile
 from collections.abc import Sequence
 
 import numpy as np
@@ -580,9 +582,6 @@ def load_sampler(vocab: int, target: Target, cache_dir: pathlib.Path | None = No
     directory is given)."""
     if cache_dir is None:
         return build_sampler(vocab, target)
-    import os
-    import tempfile
-
     cache_dir = pathlib.Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     library = cache_dir / f"lockgate-sampler-{_cache_key(vocab, target)}.so"
