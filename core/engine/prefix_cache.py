@@ -16,14 +16,13 @@ Two parts:
   longest prefix of a token list that one of them, or a running sequence
   offered to `longest_prefix`, already has in the KV cache.
 
-Why a list scanned with numpy rather than a radix tree or block hashes: a
-cached sequence holds at least one page, so there are at most as many as the
-cache has pages, and in practice tens; comparing a prompt against each is one
-vectorized comparison, microseconds apiece. The scan also finds a match that
-ends in the middle of a page (the executor forks there, copying that page),
-which block hashes cannot, and it needs no re-indexing as running sequences
-grow or splitting and holder bookkeeping on each eviction, as a radix tree
-would.
+Why a tree of whole pages: a large KV cache holds thousands of finished
+sequences, and a search, an insertion or an eviction that looked at each of
+them would cost milliseconds on every admission and every finished choice.
+Following the tree costs one dictionary lookup per page of the prompt, and
+tokens are compared one by one only inside the page where the path ends, so
+a match that ends in the middle of a page (the executor forks there, copying
+that page) is still found. Block hashes alone could not find it.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -44,18 +43,45 @@ def common_prefix(a: np.ndarray, b: np.ndarray, limit: int | None = None) -> int
 
 
 class PageBook:
-    """Which KV pages each sequence holds, as the executor allocates them."""
+    """Which KV pages each sequence holds, as the executor allocates them,
+    and how many pages only cached sequences hold.
+
+    That count is kept as pages change hands rather than counted when asked:
+    it is read after every engine step, and a large KV cache holds
+    thousands of cached sequences.
+    """
 
     def __init__(self, page_size: int, total_pages: int) -> None:
         self.page_size = page_size
         self.total_pages = total_pages
         self._pages: dict[int, list[int]] = {}
         self._holders: collections.Counter[int] = collections.Counter()
+        #: per page, how many of its holders are cached sequences
+        self._cached_holders: collections.Counter[int] = collections.Counter()
+        self._cached: set[int] = set()
         self._next_page = itertools.count()
+        #: pages that only cached sequences hold
+        self.cached_only = 0
 
     @property
     def free(self) -> int:
         return self.total_pages - len(self._holders)
+
+    def _only_cached(self, page: int) -> bool:
+        holders = self._holders.get(page, 0)
+        return holders > 0 and self._cached_holders.get(page, 0) == holders
+
+    def _hold(self, page: int, change: int, *, cached: bool) -> None:
+        """One holder (cached or not) more (`change` 1) or fewer (-1) for `page`."""
+        before = self._only_cached(page)
+        self._holders[page] += change
+        if not self._holders[page]:
+            del self._holders[page]
+        if cached:
+            self._cached_holders[page] += change
+            if not self._cached_holders[page]:
+                del self._cached_holders[page]
+        self.cached_only += self._only_cached(page) - before
 
     def _new_page(self) -> int:
         page = next(self._next_page)
@@ -70,7 +96,7 @@ class PageBook:
         full, partial = divmod(position, self.page_size)
         shared = self._pages[parent_id][:full]
         for page in shared:
-            self._holders[page] += 1
+            self._hold(page, 1, cached=False)
         self._pages[child_id] = shared + ([self._new_page()] if partial else [])
 
     def grow(self, seq_id: int, length: int) -> None:
@@ -79,18 +105,28 @@ class PageBook:
         while len(pages) * self.page_size < length:
             pages.append(self._new_page())
 
+    def mark_cached(self, seq_id: int) -> None:
+        """The sequence now belongs to the prefix cache."""
+        self._cached.add(seq_id)
+        for page in self._pages[seq_id]:
+            before = self._only_cached(page)
+            self._cached_holders[page] += 1
+            self.cached_only += self._only_cached(page) - before
+
     def remove(self, seq_id: int) -> int:
         """Forget a sequence; returns the pages that went back to the pool."""
+        cached = seq_id in self._cached
+        self._cached.discard(seq_id)
         freed = 0
         for page in self._pages.pop(seq_id):
-            self._holders[page] -= 1
-            if not self._holders[page]:
-                del self._holders[page]
+            self._hold(page, -1, cached=cached)
+            if page not in self._holders:
                 freed += 1
         return freed
 
     def pages_held_only_by(self, seq_ids: Iterable[int]) -> int:
-        """Pages that no sequence outside `seq_ids` holds."""
+        """Pages that no sequence outside `seq_ids` holds, counted afresh
+        (tests check `cached_only` against it)."""
         inside: collections.Counter[int] = collections.Counter()
         for seq_id in seq_ids:
             inside.update(self._pages[seq_id])
@@ -115,12 +151,54 @@ class PrefixMatch:
     length: int
 
 
-class PrefixCache:
-    """Cached sequences, and the search for the longest prefix of a token list."""
+class _Node:
+    """A node of the cache's page tree: the entries that hold one run of
+    whole pages, by the page after it (`children`) or by the fewer than a
+    page of tokens they end with (`tails`)."""
+
+    __slots__ = ("children", "tails", "through")
 
     def __init__(self) -> None:
+        self.children: dict[tuple[int, ...], _Node] = {}
+        #: entries that end here: seq_id -> their last (fewer than page_size) tokens
+        self.tails: dict[int, tuple[int, ...]] = {}
+        #: entries that hold this node's whole prefix, in the order they came
+        self.through: dict[int, None] = {}
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PrefixCache:
+    """Cached sequences, and the search for the longest prefix of a token list.
+
+    Entries are indexed by a tree of whole pages, so a search follows one
+    path of it and compares tokens only where that path ends, however many
+    sequences the cache holds. No entry is a prefix of another: `insert`
+    drops the shorter one.
+    """
+
+    def __init__(self, page_size: int = 16) -> None:
+        self.page_size = page_size
+        #: the cached sequences, least recently used first
         self.entries: dict[int, CachedSequence] = {}
+        self._root = _Node()
         self._clock = itertools.count()
+
+    def _pages(self, tokens: list[int]) -> Iterator[tuple[int, ...]]:
+        size = self.page_size
+        for start in range(0, len(tokens) - size + 1, size):
+            yield tuple(tokens[start : start + size])
+
+    def _touch(self, entry: CachedSequence) -> None:
+        entry.last_used = next(self._clock)
+        self.entries[entry.seq_id] = self.entries.pop(entry.seq_id)
 
     def longest_prefix(
         self,
@@ -133,19 +211,43 @@ class PrefixCache:
         Longer matches win; among equal ones, a cached sequence."""
         if limit <= 0:
             return None
-        query = np.asarray(tokens[:limit], dtype=np.int64)
+        query = tokens[:limit]
+        query = query.tolist() if isinstance(query, np.ndarray) else list(query)
         best: PrefixMatch | None = None
-        best_entry: CachedSequence | None = None
-        candidates = [(e.seq_id, e.tokens, e) for e in self.entries.values()]
-        candidates += [(seq_id, held, None) for seq_id, held in running]
-        for seq_id, held, entry in candidates:
-            if min(len(held), len(query)) <= (0 if best is None else best.length):
+        node, depth = self._root, 0
+        for page in self._pages(query):
+            child = node.children.get(page)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        if depth:
+            best = PrefixMatch(next(iter(node.through)), depth * self.page_size)
+        rest = query[depth * self.page_size : (depth + 1) * self.page_size]
+        if rest:
+            extra, holder = 0, None
+            for page, child in node.children.items():
+                if (n := _shared(page, rest)) > extra:
+                    extra, holder = n, next(iter(child.through))
+            for seq_id, tail in node.tails.items():
+                if (n := _shared(tail, rest)) > extra:
+                    extra, holder = n, seq_id
+            if holder is not None:
+                best = PrefixMatch(holder, depth * self.page_size + extra)
+        cached = best
+        held_query: np.ndarray | None = None
+        for seq_id, held in running:
+            length = 0 if best is None else best.length
+            if min(len(held), len(query)) <= length:
                 continue
-            length = common_prefix(held, query)
+            if length and held[length] != query[length]:
+                continue  # cannot be longer than the best so far
+            if held_query is None:
+                held_query = np.asarray(query, dtype=np.int64)
+            length = common_prefix(held, held_query)
             if length > 0 and (best is None or length > best.length):
-                best, best_entry = PrefixMatch(seq_id, length), entry
-        if best_entry is not None:
-            best_entry.last_used = next(self._clock)
+                best = PrefixMatch(seq_id, length)
+        if best is not None and best is cached:
+            self._touch(self.entries[best.seq_id])
         return best
 
     def insert(self, seq_id: int, tokens: Sequence[int]) -> list[int]:
@@ -154,23 +256,60 @@ class PrefixCache:
         cached ones whose tokens are a prefix of these, or this one itself
         when a cached sequence already holds all of its tokens."""
         held = np.asarray(tokens, dtype=np.int64)
-        redundant = []
-        for entry in list(self.entries.values()):
-            n = min(len(entry.tokens), len(held))
-            if not np.array_equal(entry.tokens[:n], held[:n]):
-                continue
-            if len(entry.tokens) >= len(held):
-                entry.last_used = next(self._clock)
+        listed = held.tolist()
+        size = self.page_size
+        full = len(listed) // size
+        tail = tuple(listed[full * size :])
+        path = [self._root]
+        for page in self._pages(listed):
+            child = path[-1].children.get(page)
+            if child is None:
+                break
+            path.append(child)
+        if len(path) == full + 1:  # a cached sequence may hold all of these tokens
+            end = path[-1]
+            covering = None
+            if not tail:
+                covering = next(iter(end.through), None)
+            else:
+                covering = next((s for s, t in end.tails.items() if t[: len(tail)] == tail), None)
+                if covering is None:
+                    covering = next(
+                        (next(iter(c.through)) for p, c in end.children.items() if p[: len(tail)] == tail), None
+                    )
+            if covering is not None:
+                self._touch(self.entries[covering])
                 return [seq_id]
-            redundant.append(entry.seq_id)
-            del self.entries[entry.seq_id]
+        # cached sequences that are prefixes of this one end on its path
+        redundant = []
+        for depth, node in enumerate(path):
+            segment = tuple(listed[depth * size : (depth + 1) * size])
+            for other, other_tail in node.tails.items():
+                if segment[: len(other_tail)] == other_tail:
+                    redundant.append(other)
+        for other in redundant:
+            self.discard(other)
+        node = self._root
+        for page in self._pages(listed):
+            node = node.children.setdefault(page, _Node())
+            node.through[seq_id] = None
+        node.tails[seq_id] = tail
         self.entries[seq_id] = CachedSequence(seq_id, held, next(self._clock))
         return redundant
 
     def least_recently_used(self, *, keep: int | None = None) -> int | None:
         """The cached sequence used longest ago, other than `keep`."""
-        entries = [e for e in self.entries.values() if e.seq_id != keep]
-        return min(entries, key=lambda e: e.last_used).seq_id if entries else None
+        return next((seq_id for seq_id in self.entries if seq_id != keep), None)
 
     def discard(self, seq_id: int) -> None:
-        del self.entries[seq_id]
+        entry = self.entries.pop(seq_id)
+        node, path = self._root, []
+        for page in self._pages(entry.tokens.tolist()):
+            path.append((node, page))
+            node = node.children[page]
+            del node.through[seq_id]
+        del node.tails[seq_id]
+        for parent, page in reversed(path):  # prune the pages no entry holds any more
+            if parent.children[page].through:
+                break
+            del parent.children[page]

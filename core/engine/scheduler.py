@@ -82,7 +82,7 @@ class Scheduler:
         self.on_preempt = on_preempt
         self.on_prefix_lookup = on_prefix_lookup
         self.book = PageBook(kv.page_size, kv.total_pages)
-        self.cache = PrefixCache() if prefix_cache else None
+        self.cache = PrefixCache(kv.page_size) if prefix_cache else None
         self.step_token_budget = step_token_budget
         self.max_queue = max_queue
         self.retry_after = retry_after
@@ -281,6 +281,8 @@ class Scheduler:
             return
         for redundant in self.cache.insert(choice.seq_id, choice.tokens()[: choice.kv_len]):
             self._remove_sequence(redundant)
+        if choice.seq_id in self.cache.entries:
+            self.book.mark_cached(choice.seq_id)
         choice.seq_id = -1  # the cache holds it now
 
     def remove(self, state: RequestState) -> None:
@@ -294,7 +296,7 @@ class Scheduler:
     @property
     def cached_pages(self) -> int:
         """Pages only cached sequences hold (what evicting them all would free)."""
-        return 0 if self.cache is None else self.book.pages_held_only_by(self.cache.entries)
+        return 0 if self.cache is None else self.book.cached_only
 
     # ------------------------------------------------------------ freeing pages
 
