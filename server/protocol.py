@@ -41,6 +41,9 @@ from lockgate.server.keys import ERROR_ANSWER, PIPELINE_REQUEST, PLUGIN_MANAGER,
 
 log = structlog.get_logger("lockgate.server")
 
+#: a string as JSON, as json.dumps(..., ensure_ascii=False) writes it
+_json_string = json.encoder.encode_basestring
+
 
 # ------------------------------------------------------------------ request bodies
 
@@ -175,6 +178,8 @@ class ResponseBuilder:
         self.token_bytes = token_bytes
         #: completions logprobs: characters of text so far per choice (text_offset)
         self._offsets: dict[int, int] = {}
+        #: per include_usage, the JSON of a stream chunk around its choice
+        self._templates: dict[bool, tuple[str, str]] = {}
 
     # ------------------------------------------------------------ logprobs
 
@@ -292,6 +297,36 @@ class ResponseBuilder:
                 "finish_reason": delta.finish_reason,
             }
         return self._chunk([choice], include_usage)
+
+    def delta_chunk_json(self, index: int, delta: Delta, include_usage: bool) -> str:
+        """`delta_chunk` as JSON text, the same text `json.dumps` writes
+        (`ensure_ascii=False`), from a template filled with the text, the
+        index and the finish reason: every streamed token is one, and
+        building and dumping a dict of dicts each time is most of its cost.
+        Chunks with logprobs are dumped whole."""
+        if delta.logprobs is not None:
+            return json.dumps(self.delta_chunk(index, delta, include_usage), ensure_ascii=False)
+        head, tail = self._chunk_template(include_usage)
+        reason = "null" if delta.finish_reason is None else _json_string(delta.finish_reason)
+        if self.chat:
+            if delta.text or delta.finish_reason is None:
+                body = f'{{"content": {_json_string(delta.text)}}}'
+            else:
+                body = "{}"
+            choice = f'{{"index": {index}, "delta": {body}, "logprobs": null, "finish_reason": {reason}}}'
+        else:
+            choice = (f'{{"index": {index}, "text": {_json_string(delta.text)}, "logprobs": null, '
+                      f'"finish_reason": {reason}}}')
+        return head + choice + tail
+
+    def _chunk_template(self, include_usage: bool) -> tuple[str, str]:
+        """The JSON of a chunk before and after its one choice."""
+        template = self._templates.get(include_usage)
+        if template is None:
+            empty = json.dumps(self._chunk([], include_usage), ensure_ascii=False)
+            cut = empty.index('"choices": []') + len('"choices": [')
+            template = self._templates[include_usage] = (empty[:cut], empty[cut:])
+        return template
 
     def tool_call_chunks(self, index: int, calls: list[ToolCall], include_usage: bool) -> list[dict[str, Any]]:
         """A choice's calls as OpenAI streams them: per call, a first chunk

@@ -9,7 +9,9 @@ error middleware, every OpenAI shape in `lockgate.server.protocol`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -67,11 +69,16 @@ class _MergedDeltas:
     with the index of its choice in the response (handle `i`'s choices
     follow those of handles `0 .. i-1`).
 
-    Pumping starts at construction, before anything is written, so that a
+    Reading starts at construction, before anything is written, so that a
     client that never reads is noticed even while the first write waits:
     with a `backlog_limit` (streams), past that many unread deltas the
     request is aborted. Iterating stops early, with `ConnectionResetError`,
     if the client leaves.
+
+    Handles that can `subscribe` (the engine's own) hand their deltas over
+    as the engine delivers them, with no task per handle; others (a plugin's
+    handles) are read by a task each. `batches()` gives what arrived
+    together as one list, so a stream can write it in one piece.
     """
 
     _DONE = object()
@@ -82,54 +89,112 @@ class _MergedDeltas:
         self._request = request
         self._handles = handles
         self._backlog_limit = backlog_limit
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._tasks = [
-            asyncio.ensure_future(self._pump(h, offset)) for h, offset in zip(handles, choice_offsets(handles))
-        ]
+        self._loop = asyncio.get_running_loop()
+        #: (index, delta) pairs, exceptions and _DONE markers, in arrival order
+        self._items: collections.deque = collections.deque()
+        self._unread = 0
+        self._remaining = len(handles)
+        self._waiter: asyncio.Future | None = None
+        self._too_slow = False
+        self._gone = False
+        self._closed = False
+        self._tasks: list[asyncio.Task] = []
+        for handle, offset in zip(handles, choice_offsets(handles)):
+            subscribe = getattr(handle, "subscribe", None)
+            if subscribe is not None:
+                subscribe(functools.partial(self._arrived, offset))
+            else:
+                self._tasks.append(asyncio.ensure_future(self._pump(handle, offset)))
+        self._poll = self._loop.call_later(DISCONNECT_POLL_SECONDS, self._check_client)
 
-    async def _pump(self, handle: RequestHandle, offset: int) -> None:
-        queue = self._queue
+    def _arrived(self, offset: int, item: Any) -> None:
+        """A handle's delta, None when it ended, or its exception."""
+        if self._closed or self._too_slow:
+            return
+        if item is None:
+            self._items.append(self._DONE)
+        elif isinstance(item, BaseException):
+            self._items.append(item)
+        else:
+            self._items.append((offset + item.index, item))
+            self._unread += 1
+            if self._backlog_limit is not None and self._unread > self._backlog_limit:
+                # stop generating for it rather than buffer without end
+                log.warning("client too slow: request aborted", backlog=self._unread)
+                self._too_slow = True
+                for each in self._handles:
+                    each.abort()
+                self._items.append(ClientTooSlow(f"more than {self._backlog_limit} deltas unread"))
+        self._wake()
+
+    async def _pump(self, handle, offset: int) -> None:
         try:
             async for delta in handle:
-                await queue.put((offset + delta.index, delta))
-                if self._backlog_limit is None:
-                    continue
-                # let the writer take it: deltas pile up only while it waits
-                # on a client that does not read
-                await asyncio.sleep(0)
-                if queue.qsize() > self._backlog_limit:
-                    # stop generating for it rather than buffer without end
-                    log.warning("client too slow: request aborted", backlog=queue.qsize())
-                    for each in self._handles:
-                        each.abort()
-                    raise ClientTooSlow(f"more than {self._backlog_limit} deltas unread")
+                self._arrived(offset, delta)
+                if self._too_slow:
+                    return
         except Exception as exc:
-            await queue.put(exc)
-        await queue.put(self._DONE)
+            self._arrived(offset, exc)
+        else:
+            self._arrived(offset, None)
 
-    async def __aiter__(self):
-        remaining = len(self._tasks)
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _check_client(self) -> None:
+        if _client_gone(self._request):
+            self._gone = True
+            self._wake()
+        elif not self._closed:
+            self._poll = self._loop.call_later(DISCONNECT_POLL_SECONDS, self._check_client)
+
+    async def batches(self):
+        """Lists of (index, delta): what arrived since the last one."""
+        items = self._items
         try:
-            while remaining:
-                try:
-                    item = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_SECONDS)
-                except TimeoutError:
-                    if _client_gone(self._request):
-                        raise ConnectionResetError("the client disconnected") from None
-                    continue
-                if item is self._DONE:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    if isinstance(item, ClientTooSlow):  # the writer learns it now: the stream ends here
-                        log.info("client too slow: its stream is closed")
-                        _close_connection(self._request)
-                    raise item
+            while True:
+                batch = []
+                while items:
+                    item = items.popleft()
+                    if item is self._DONE:
+                        self._remaining -= 1
+                    elif isinstance(item, BaseException):
+                        self._unread -= len(batch)
+                        if batch:
+                            items.appendleft(item)
+                            break
+                        if isinstance(item, ClientTooSlow):  # the writer learns it now: the stream ends here
+                            log.info("client too slow: its stream is closed")
+                            _close_connection(self._request)
+                        raise item
+                    else:
+                        batch.append(item)
                 else:
-                    yield item
+                    self._unread -= len(batch)
+                if batch:
+                    yield batch
+                    continue
+                if not self._remaining:
+                    return
+                if self._gone:
+                    raise ConnectionResetError("the client disconnected")
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
         finally:
             self.close()
 
+    async def __aiter__(self):
+        async for batch in self.batches():
+            for item in batch:
+                yield item
+
     def close(self) -> None:
+        self._closed = True
+        self._poll.cancel()
         for task in self._tasks:
             task.cancel()
 
@@ -214,8 +279,16 @@ async def write_event(request: web.Request, response: web.StreamResponse, data: 
     """Write one event; a client that stopped reading but keeps its
     connection open has it closed (`ConnectionResetError`)."""
     frame = (f"event: {event}\n" if event else "") + f"data: {data}\n\n"
+    await write_frames(request, response, frame.encode())
+
+
+async def write_frames(request: web.Request, response: web.StreamResponse, frames: bytes) -> None:
+    """Write encoded events in one piece, closing the connection of a
+    client that stopped reading (`ConnectionResetError`)."""
     try:
-        await asyncio.wait_for(response.write(frame.encode()), STREAM_WRITE_TIMEOUT_SECONDS)
+        # a timeout scope, not wait_for: no task per write
+        async with asyncio.timeout(STREAM_WRITE_TIMEOUT_SECONDS):
+            await response.write(frames)
     except TimeoutError:
         log.info("client stopped reading: its stream is closed")
         _close_connection(request)
@@ -230,14 +303,18 @@ async def end_event_stream(response: web.StreamResponse) -> web.StreamResponse:
     return response
 
 
+def _frame(payload: Any) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
 async def _stream(
     request, typed: GenerationRequest, handles, builder: ResponseBuilder, tool_format
 ) -> web.StreamResponse:
     response, deltas = await open_event_stream(request, handles)
 
-    async def send(payload: Any) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-        await write_event(request, response, data)
+    async def send(*payloads: Any) -> None:
+        await write_frames(request, response, b"".join(_frame(payload) for payload in payloads))
 
     try:
         return await _write_stream(
@@ -250,19 +327,21 @@ async def _stream(
 async def _write_stream(request, response, send, deltas, handles, builder, include_usage, tool_format):
     try:
         if builder.chat:
-            for index in range(sum(handle.n for handle in handles)):
-                await send(builder.role_chunk(index, include_usage))
+            await send(*(builder.role_chunk(index, include_usage) for index in range(sum(h.n for h in handles))))
         readers: dict[int, Any] = {}
-        async for index, delta in deltas:
-            if tool_format is not None:
-                reader = readers.setdefault(index, tool_format.stream())
-                for chunk in _tool_stream_chunks(builder, reader, index, delta, include_usage):
-                    await send(chunk)
-            # A token whose text is held back (an incomplete UTF-8 sequence, a
-            # possible start of a stop string) still has its logprobs: they go
-            # out now, in a chunk with empty text.
-            elif delta.text or delta.finish_reason is not None or delta.logprobs:
-                await send(builder.delta_chunk(index, delta, include_usage))
+        async for batch in deltas.batches():
+            frames: list[bytes] = []
+            for index, delta in batch:
+                if tool_format is not None:
+                    reader = readers.setdefault(index, tool_format.stream())
+                    frames += map(_frame, _tool_stream_chunks(builder, reader, index, delta, include_usage))
+                # A token whose text is held back (an incomplete UTF-8 sequence, a
+                # possible start of a stop string) still has its logprobs: they go
+                # out now, in a chunk with empty text.
+                elif delta.text or delta.finish_reason is not None or delta.logprobs:
+                    frames.append(_frame(builder.delta_chunk_json(index, delta, include_usage)))
+            if frames:
+                await write_frames(request, response, b"".join(frames))
         if include_usage:
             await send(builder.usage_chunk(_usage(handles)))
     except ConnectionResetError:  # gone, or too slow (ClientTooSlow)

@@ -4,7 +4,9 @@ it reads from it, and the token counts."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lockgate.engine.sampling import TokenLogprob
@@ -57,7 +59,8 @@ class RequestHandle:
     """The event loop's side of one admitted request: an async iterator of `Delta`.
 
     Iteration raises the exception the engine failed the request with, if any.
-    `abort()` stops generation and frees the request's KV pages.
+    `abort()` stops generation and frees the request's KV pages. A consumer
+    that merges many handles may `subscribe` instead of iterating.
     """
 
     def __init__(self, engine: "Engine", work: Work, max_tokens: int) -> None:
@@ -68,16 +71,28 @@ class RequestHandle:
         self.max_tokens = max_tokens
         self.usage = Usage(prompt_tokens=len(work.prompt_token_ids))
         self._engine = engine
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        # what the engine delivered and nobody read yet; a plain deque and
+        # one waiter, not an asyncio.Queue: every token passes through here
+        self._items: collections.deque[Any] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._subscriber: Callable[[Any], None] | None = None
         self.finished = False
 
     def __aiter__(self) -> "RequestHandle":
         return self
 
     async def __anext__(self) -> Delta:
-        if self.finished and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            if self.finished:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._read(self._items.popleft())
+
+    def _read(self, item: Any) -> Delta:
         if item is END:
             self.finished = True
             raise StopAsyncIteration
@@ -87,6 +102,26 @@ class RequestHandle:
         self.usage.completion_tokens += len(item.token_ids)
         return item
 
+    def subscribe(self, callback: Callable[[Delta | BaseException | None], None]) -> None:
+        """Have what the engine delivers handed to `callback` as it comes,
+        on the event loop, instead of iterating: each `Delta`, then None when
+        the request ends or the exception it failed with. What was delivered
+        before is handed over at once. Usage and `finished` are kept as
+        iteration keeps them."""
+        self._subscriber = callback
+        while self._items and self._subscriber is callback:
+            self._hand_over(self._items.popleft())
+
+    def _hand_over(self, item: Any) -> None:
+        try:
+            delta = self._read(item)
+        except StopAsyncIteration:
+            self._subscriber(None)
+        except BaseException as exc:  # noqa: BLE001 - handed over, not raised
+            self._subscriber(exc)
+        else:
+            self._subscriber(delta)
+
     def abort(self) -> None:
         """Stop this request (client gone, or a sibling request failed)."""
         if not self.finished:
@@ -94,7 +129,12 @@ class RequestHandle:
 
     def put(self, item: Any) -> None:
         """Deliver a `Delta`, `END` or an exception (on the event loop only)."""
-        self._queue.put_nowait(item)
+        if self._subscriber is not None:
+            self._hand_over(item)
+            return
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 class EngineObserver:
