@@ -13,7 +13,9 @@ still change (an incomplete character) or that may begin a stop string.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import tokenizers
 
 __all__ = ["DetokenizerStep", "IncrementalDetokenizer"]
 
@@ -25,6 +27,41 @@ _REPLACEMENT = "\ufffd"
 # a token's leading space and for any character split over several tokens to
 # lie wholly inside the window.
 _CONTEXT_TOKENS = 6
+
+
+def _decoder_of(tokenizer) -> Callable[..., str]:
+    """`decode(ids, skip_special_tokens=...)` without clean-up of spaces.
+
+    For a transformers fast tokenizer whose decoding is transformers' own,
+    that is exactly its Rust backend's `decode`: called directly, it skips
+    transformers' conversion and checking of the ids, which cost more than
+    the decoding itself (this runs for every generated token). Anything
+    else is asked through its own `decode`.
+    """
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(backend, tokenizers.Tokenizer) and _decodes_as_transformers(type(tokenizer)):
+        return backend.decode
+
+    def decode(token_ids: list[int], *, skip_special_tokens: bool) -> str:
+        return tokenizer.decode(
+            token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    return decode
+
+
+def _decodes_as_transformers(cls: type) -> bool:
+    """Whether `cls` decodes with transformers' fast-tokenizer code unchanged."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    return (
+        issubclass(cls, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,6 +109,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._decode_ids = _decoder_of(tokenizer)
         self._stops = tuple(dict.fromkeys(s for s in stop if s))
         self._longest_stop = max((len(s) for s in self._stops), default=0)
         # The window: recent tokens, and how many characters of its decoded
@@ -137,11 +175,7 @@ class IncrementalDetokenizer:
         return self._release(final=True).text
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(
-            token_ids,
-            skip_special_tokens=self._skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        return self._decode_ids(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _shrink_window(self, text: str) -> None:
         """Drop old tokens from the window once it is twice the context size.

@@ -283,7 +283,7 @@ class Engine:
 
     def _run_decode(self, choices: list[Choice], events: Events) -> None:
         try:
-            logits = self.executor.decode([c.seq_id for c in choices], [c.pending()[0] for c in choices])
+            logits = self.executor.decode([c.seq_id for c in choices], [c.next_pending() for c in choices])
         except Exception as exc:
             self._executor_failed(exc, {c.request for c in choices}, events)
             return
@@ -305,7 +305,7 @@ class Engine:
         done: list[tuple[int, Choice]] = []
         for row, (choice, tokens) in enumerate(chunks):
             self.scheduler.advance(choice, len(tokens))
-            if not choice.pending():  # else more of the prompt is to come
+            if not choice.pending_count():  # else more of the prompt is to come
                 done.append((row, choice))
         ready, rows = self._forked_when_prompt_is_in(done, events)
         if ready:

@@ -197,32 +197,39 @@ class Scheduler:
     def plan(self) -> Batch:
         """This step's decode rows and prefill chunks within the token budget
         and the free pages, preempting the newest requests if pages run out."""
+        page_size = self.kv.page_size
         while True:
             budget = self.step_token_budget
             decode: list[Choice] = []
             prefill: list[tuple[Choice, list[int]]] = []
+            chunks_wanted: list[Choice] = []
             pages = 0
             for state in self.running:
-                for choice in state.live_choices:
-                    if len(choice.pending()) == 1:
+                for choice in state.choices:
+                    if choice.finished:
+                        continue
+                    pending = choice.pending_count()
+                    if pending == 1:
                         decode.append(choice)
-                        pages += self.pages(choice.kv_len + 1) - self.pages(choice.kv_len)
+                        # the token opens a page when the last one is full
+                        pages += choice.kv_len % page_size == 0
                         if not state.forked:
                             pages += state.params.n - 1  # a one-token prompt forks here
+                    elif pending > 1:
+                        chunks_wanted.append(choice)
             budget -= len(decode)
             chunk_room = self.kv.prefill_chunk_size
-            for state in self.running:
-                for choice in state.live_choices:
-                    pending = choice.pending()
-                    if len(pending) <= 1 or budget <= 0 or chunk_room <= 0:
-                        continue
-                    take = min(len(pending), budget, chunk_room)
-                    prefill.append((choice, pending[:take]))
-                    pages += self.pages(choice.kv_len + take) - self.pages(choice.kv_len)
-                    if take == len(pending) and not state.forked:
-                        pages += state.params.n - 1  # forked children copy the last page
-                    budget -= take
-                    chunk_room -= take
+            for choice in chunks_wanted:
+                if budget <= 0 or chunk_room <= 0:
+                    break
+                pending_tokens = choice.pending()
+                take = min(len(pending_tokens), budget, chunk_room)
+                prefill.append((choice, pending_tokens[:take]))
+                pages += self.pages(choice.kv_len + take) - self.pages(choice.kv_len)
+                if take == len(pending_tokens) and not choice.request.forked:
+                    pages += choice.request.params.n - 1  # forked children copy the last page
+                budget -= take
+                chunk_room -= take
             if pages <= self.kv.free_pages() or not self.running:
                 return Batch(decode, prefill)
             if self._evict_one() is None:

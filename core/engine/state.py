@@ -44,6 +44,17 @@ class Choice:
             return [*prompt[self.kv_len :], *self.output_ids]
         return self.output_ids[self.kv_len - len(prompt) :]
 
+    def pending_count(self) -> int:
+        """How many tokens `pending` holds, without building it."""
+        return len(self.request.prompt_ids) + len(self.output_ids) - self.kv_len
+
+    def next_pending(self) -> int:
+        """The first of the `pending` tokens (the one a decode row carries)."""
+        prompt = self.request.prompt_ids
+        if self.kv_len < len(prompt):
+            return prompt[self.kv_len]
+        return self.output_ids[self.kv_len - len(prompt)]
+
 
 class RequestState:
     """An admitted request: its choices and where it stands.
