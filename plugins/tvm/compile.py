@@ -2,17 +2,36 @@
 
 On `llvm`, `tvm.compile` alone applies neither fusion nor schedules, so the
 relax pipeline is spelled out here, with `CPUMatmul`, a dlight-style rule for
-the (in, out) matmuls that make up nearly all of the work. On `cuda` the
-stock `dl.gpu` rules schedule every kernel.
+the (in, out) matmuls that make up nearly all of the work.
+
+On `cuda` every kernel gets a named rule (`cuda_rules`), recorded per kernel
+in the manifest: `dl.gpu.GEMV` for the batch-1 decode (`decode_one`, static
+batch), `dl.gpu.LowBatchGEMV` for batched decode and the prefill's LM head
+(symbolic `batch_size`), `dl.gpu.Matmul` for prefill (symbolic
+`num_tokens`), the dlight reduction rules for the norms and `GPUInjective`
+for gathers and elementwise kernels; `dl.gpu.Fallback` is last and tests
+check it schedules nothing. Prefill matmuls use tensor cores (WMMA, f16 in,
+f32 accumulate) where schedule-time tensorization works, which
+`tensorize_works` probes in a child process: with apache-tvm-ffi 0.1.15 every
+`Schedule.tensorize` segfaults (it deep-copies the intrinsic through
+`ffi::ToJSONGraph`, which crashes on any TVM 0.27 IR node; 0.1.14 works), and
+then `Matmul` is scheduled under an sm_60 target so it takes its SIMT branch
+(shared-memory tiles, no tensor cores). The decode functions are captured as
+CUDA graphs (`RewriteCUDAGraph`), one capture per batch size the executor
+calls them with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import pathlib
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -263,10 +282,211 @@ class CPUInjective(ScheduleRule):
         return sch
 
 
-def _relax_pipeline(name: str, *, fuse: list, schedule, free_early: list) -> tvm.transform.Pass:
+class GPUInjective(ScheduleRule):
+    """Schedule a gather or elementwise kernel on the GPU.
+
+    One injective block (after inlining contiguous producers): the loops
+    are fused, the innermost elements (up to 8 bytes, dividing the static
+    inner extent; CUDA codegen fails on the 16-byte half8 stores of a
+    gather) are vectorized, and the rest is spread over 256 threads per
+    block and as many blocks as needed. Several injective blocks under one
+    loop nest (the KV cache's append, which writes K and V under one `if`
+    on the page position) share the same thread mapping, unvectorized.
+    """
+
+    def apply(self, func, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        infos = try_inline_contiguous_spatial(sch, infos)
+        if not infos or not all(info.is_injective() for info in infos):
+            return None
+        block = infos[0].block_rv
+        loops = sch.get_loops(block)
+        if not loops:
+            return None
+        if len(infos) > 1:
+            # one loop nest shared by every block, else not this rule's case
+            for other in infos[1:]:
+                theirs = sch.get_loops(other.block_rv)
+                if len(theirs) != len(loops) or not all(
+                    sch.get(a).same_as(sch.get(b)) for a, b in zip(loops, theirs)
+                ):
+                    return None
+        vec = 1
+        if len(infos) == 1:
+            inner = infos[0].iters[-1].dom
+            store = sch.get(block).writes[0].source
+            lanes = max(1, 8 // max(1, tvm.DataType(store.dtype).bits // 8))
+            if isinstance(inner, (int, tirx.IntImm)):
+                while vec * 2 <= lanes and int(inner) % (vec * 2) == 0:
+                    vec *= 2
+        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+        if vec > 1:
+            bx, tx, v = sch.split(fused, [None, 256, vec])
+            sch.vectorize(v)
+        else:
+            bx, tx = sch.split(fused, [None, 256])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        return sch
+
+
+#: symbolic extents: `num_tokens` is a prefill chunk's rows, `batch_size` a
+#: decode batch's (or a prefill's logit rows)
+_PREFILL_VAR = "num_tokens"
+
+#: the target `dl.gpu.Matmul` is shown when tensor cores cannot be used: it
+#: takes its SIMT branch below sm_70, and the code is compiled for the real
+#: architecture all the same
+_SIMT_TARGET = {"kind": "cuda", "arch": "sm_60"}
+
+
+def _symbolic_names(func: tirx.PrimFunc) -> set[str]:
+    names = set()
+    for param in func.params:
+        for dim in getattr(param, "shape", None) or ():
+            if isinstance(dim, tirx.Var):
+                names.add(dim.name)
+    return names
+
+
+class GPUMatmul(ScheduleRule):
+    """Route a matmul by its rows: a prefill's (`num_tokens`) to
+    `dl.gpu.Matmul`, with tensor cores when `tensor_cores`, else its SIMT
+    branch; a decode batch's (`batch_size`) to `dl.gpu.LowBatchGEMV`, which
+    pads the batch to a multiple of `bucket`. `last` names the rule that
+    scheduled the latest function (read by `RecordedSchedule`)."""
+
+    def __init__(self, tensor_cores: bool, bucket: int = 4) -> None:
+        self.tensor_cores = tensor_cores
+        self.matmul = dl.gpu.Matmul()
+        self.low_batch = dl.gpu.LowBatchGEMV(bucket)
+        self.last = ""
+
+    def apply(self, func, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
+            return None
+        names = _symbolic_names(func)
+        if _PREFILL_VAR in names:
+            shown = target if self.tensor_cores else Target(_SIMT_TARGET)
+            sch = self.matmul.apply(func, shown, tunable)
+            if sch is not None:
+                tensorized = any(i.kind.name == "Tensorize" for i in sch.trace.insts)
+                self.last = "Matmul(tensor cores)" if tensorized else "Matmul(SIMT)"
+            return sch
+        sch = self.low_batch.apply(func, target, tunable)
+        if sch is not None:
+            self.last = "LowBatchGEMV"
+        return sch
+
+
+@tvm.transform.module_pass(opt_level=0, name="RecordedSchedule")
+class RecordedSchedule:
+    """`dl.ApplyDefaultSchedule` that notes which rule scheduled each
+    function in `record` (function name -> rule name)."""
+
+    def __init__(self, rules: list, record: dict[str, str]) -> None:
+        self.rules = rules
+        self.record = record
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        updated = {}
+        for gvar, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            if func.attrs is not None and "tirx.is_scheduled" in func.attrs:
+                if int(func.attrs["tirx.is_scheduled"]):
+                    self.record[gvar.name_hint] = "hand-written"
+                    continue
+            target = func.attrs.get("target") if func.attrs is not None else None
+            target = target or Target.current(allow_none=False)
+            for rule in self.rules:
+                sch = rule.apply(func, target, False)
+                if sch is None:
+                    continue
+                if isinstance(sch, list):
+                    sch = sch[0]
+                self.record[gvar.name_hint] = getattr(rule, "last", "") or type(rule).__name__
+                updated[gvar] = sch.mod["main"].with_attr("tirx.is_scheduled", True)
+                break
+            else:
+                self.record[gvar.name_hint] = "unscheduled"
+        for gvar, func in updated.items():
+            mod[gvar] = func
+        return mod
+
+
+_TENSORIZE_PROBE = """
+from tvm import s_tir, te
+from tvm.script import tirx as T
+
+@T.prim_func(s_tir=True)
+def desc(a: T.Buffer((4,), "float16", offset_factor=1), c: T.Buffer((4,), "float16", offset_factor=1)):
+    with T.sblock("root"):
+        T.reads(a[0:4])
+        T.writes(c[0:4])
+        for i in range(4):
+            with T.sblock("copy"):
+                vi = T.axis.remap("S", [i])
+                T.reads(a[vi])
+                T.writes(c[vi])
+                c[vi] = a[vi]
+
+@T.prim_func(s_tir=True)
+def impl(a: T.Buffer((4,), "float16", offset_factor=1), c: T.Buffer((4,), "float16", offset_factor=1)):
+    with T.sblock("root"):
+        T.reads(a[0:4])
+        T.writes(c[0:4])
+        T.evaluate(T.call_extern("int32", "copy4", c.data, a.data))
+
+s_tir.TensorIntrin.register("lockgate_probe_copy4", desc, impl)
+a = te.placeholder((8,), "float16", name="a")
+b = te.compute((8,), lambda i: a[i], name="b")
+sch = s_tir.Schedule(te.create_prim_func([a, b]))
+_, inner = sch.split(sch.get_loops(sch.get_sblock("b"))[0], [None, 4])
+sch.tensorize(inner, "lockgate_probe_copy4")
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def tensorize_works() -> bool:
+    """Whether `Schedule.tensorize` survives in this installation, tried on
+    a trivial intrinsic in a child process (a crash there would kill this
+    one). Any tensorization crashes with apache-tvm-ffi 0.1.15.post2 (see
+    the module docstring), whatever the intrinsic."""
+    # TVMScript parses its functions' source, so the probe is a file, not `-c`.
+    with tempfile.TemporaryDirectory(prefix="lockgate-probe-") as tmp:
+        script = pathlib.Path(tmp) / "tensorize_probe.py"
+        script.write_text(_TENSORIZE_PROBE + "\nprint('tensorized')\n")
+        try:
+            done = subprocess.run(
+                [sys.executable, str(script)], capture_output=True, timeout=300, cwd=tmp
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    return done.returncode == 0 and b"tensorized" in done.stdout
+
+
+def cuda_rules(tensor_cores: bool) -> list:
+    """The CUDA schedule rules, in the order they are tried."""
+    return [
+        dl.gpu.GEMV(),
+        GPUMatmul(tensor_cores),
+        dl.gpu.Reduction(),
+        dl.gpu.GeneralReduction(),
+        GPUInjective(),
+        dl.gpu.Fallback(),
+    ]
+
+
+def _relax_pipeline(name: str, *, fuse: list, schedule, free_early: list, graphs: list = ()) -> tvm.transform.Pass:
     """Fuse, schedule with `schedule`, then lower for the VM. `fuse` runs
-    before legalization; `free_early` between allocation lowering and
-    builtin lowering."""
+    before legalization; `graphs` right after memory planning; `free_early`
+    between allocation lowering and builtin lowering."""
 
     @tvm.transform.module_pass(opt_level=0, name=name)
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
@@ -287,6 +507,7 @@ def _relax_pipeline(name: str, *, fuse: list, schedule, free_early: list) -> tvm
                 relax.transform.RemovePurityChecking(),
                 relax.transform.CallTIRRewrite(),
                 relax.transform.StaticPlanBlockMemory(),
+                *graphs,
                 relax.transform.LowerAllocTensor(),
                 *free_early,
                 relax.transform.LowerRuntimeBuiltin(),
@@ -316,35 +537,48 @@ def cpu_pipeline() -> tvm.transform.Pass:
     )
 
 
-def cuda_pipeline() -> tvm.transform.Pass:
-    """The relax pipeline for cuda: transposed matmuls fused, `dl.gpu` rules,
-    device memory freed right after its last use."""
+def cuda_pipeline(record: dict[str, str] | None = None, tensor_cores: bool = False) -> tvm.transform.Pass:
+    """The relax pipeline for cuda: `cuda_rules` (noted in `record`), the
+    decode functions rewritten to CUDA graphs (where the pass config
+    `relax.backend.use_cuda_graph` is on), device memory freed right after
+    its last use."""
     return _relax_pipeline(
         "LockgateCUDAPipeline",
         fuse=[relax.transform.FuseTransposeMatmul()],
-        schedule=dl.ApplyDefaultSchedule(
-            dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
-        ),
+        schedule=RecordedSchedule(cuda_rules(tensor_cores), {} if record is None else record),
         free_early=[relax.transform.KillAfterLastUse()],
+        graphs=[relax.transform.RewriteCUDAGraph()],
     )
 
 
 _SOURCE_FILES = ("model.py", "compile.py", "kernels.py")
 
 
-def cache_key(config: LlamaConfig, target: Target, formats: dict[str, str] | None = None) -> str:
+def cache_key(
+    config: LlamaConfig,
+    target: Target,
+    formats: dict[str, str] | None = None,
+    max_batch: int | None = None,
+) -> str:
     """Hash of everything the compiled library depends on.
 
     Batch, page and chunk sizes are symbolic in the library, so they are not
-    part of the key; the weight formats are, since each format compiles to
-    its own dequantizing matmul.
+    part of the key, except on CUDA the decode batch's upper bound
+    (`max_batch`), which sizes the CUDA graphs' memory; the weight formats
+    are, since each format compiles to its own dequantizing matmul, and so
+    is the tvm-ffi version, which decides whether tensor cores are used.
     """
+    import tvm_ffi
+
     here = pathlib.Path(__file__).parent
     h = hashlib.sha256()
     h.update(json.dumps(config.as_dict(), sort_keys=True).encode())
     h.update(json.dumps(formats or {}, sort_keys=True).encode())
     h.update(str(target).encode())
     h.update(tvm.__version__.encode())
+    h.update(str(getattr(tvm_ffi, "__version__", "")).encode())
+    if target.kind.name == "cuda":
+        h.update(f"max_batch={max_batch}".encode())
     for name in _SOURCE_FILES:
         path = here / name
         if path.exists():
@@ -365,6 +599,10 @@ class CompiledModel:
     cached: bool
     #: storage format of each linear module's weight (`weights.linear_formats`)
     formats: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: dtype of each parameter
+    dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: on CUDA, the rule that scheduled each TIR function (`cuda_rules`)
+    schedules: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _write_atomically(path: pathlib.Path, write: Callable[[str], None], suffix: str) -> None:
@@ -379,23 +617,57 @@ def _write_atomically(path: pathlib.Path, write: Callable[[str], None], suffix: 
         raise
 
 
-def build_module(config: LlamaConfig, target: Target, formats: dict[str, str] | None = None):
-    """Export the model and compile it: (relax Executable, named params)."""
+#: the decode batch's upper bound on CUDA when the caller names none
+DEFAULT_MAX_BATCH = 256
+
+
+def build_module(
+    config: LlamaConfig,
+    target: Target,
+    formats: dict[str, str] | None = None,
+    max_batch: int | None = None,
+    record: dict[str, str] | None = None,
+):
+    """Export the model and compile it: (relax Executable, named params).
+
+    On CUDA `batch_decode` is told its batch never exceeds `max_batch`, so
+    its memory is planned statically and the whole function becomes one
+    CUDA graph; `record` receives the rule that scheduled each kernel.
+    """
     from lockgate.plugins.tvm.model import LlamaForCausalLM
 
     model = LlamaForCausalLM(config, target, formats)
+    config_: dict = {}
     if target.kind.name == "llvm":
         from lockgate.plugins.tvm.kernels import cpu_attention_kernels
 
         with cpu_attention_kernels():
             mod, named_params = model.export_tvm(spec=model.export_spec())
+        pipeline = cpu_pipeline()
     else:
         mod, named_params = model.export_tvm(spec=model.export_spec())
-    pipeline = cpu_pipeline() if target.kind.name == "llvm" else cuda_pipeline()
-    with target:
+        bound = {"batch_size": int(max_batch or DEFAULT_MAX_BATCH)}
+        gvar = mod.get_global_var("batch_decode")
+        # The bound plans its memory statically; the capture hint lets
+        # RewriteCUDAGraph capture it despite the symbolic batch, one graph
+        # per batch size it is called with.
+        mod[gvar] = mod[gvar].with_attrs(
+            {
+                "tir_var_upper_bound": bound,
+                "relax.rewrite_cuda_graph.capture_symbolic_vars": ["batch_size"],
+            }
+        )
+        pipeline = cuda_pipeline(record, tensorize_works())
+        config_ = {"relax.backend.use_cuda_graph": True}
+    # The CPU keeps the default pass context; CUDA's turns the graphs on.
+    context = (
+        tvm.transform.PassContext(config=config_) if config_ else contextlib.nullcontext()
+    )
+    with target, context:
         executable = tvm.compile(mod, target=target, relax_pipeline=pipeline)
     params = [(name, tuple(int(d) for d in p.shape)) for name, p in named_params]
-    return executable, params
+    dtypes = {name: str(p.dtype) for name, p in named_params}
+    return executable, params, dtypes
 
 
 def compile_model(
@@ -404,9 +676,11 @@ def compile_model(
     cache_dir: pathlib.Path | None = None,
     progress: Callable[[str], None] | None = None,
     formats: dict[str, str] | None = None,
+    max_batch: int | None = None,
 ) -> CompiledModel:
     """The compiled library for (config, target, formats), from the cache or
-    built now. Formats apply on the CPU only: CUDA keeps float32 weights.
+    built now. On CUDA `max_batch` bounds the decode batch (default
+    `DEFAULT_MAX_BATCH`).
 
     The library and its manifest are each written to a temporary file and
     renamed into place, so concurrent starts never read half a file; the
@@ -414,23 +688,45 @@ def compile_model(
     """
     cache_dir = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    formats = dict(formats or {}) if target.kind.name == "llvm" else {}
-    key = cache_key(config, target, formats)
+    formats = dict(formats or {})
+    if target.kind.name == "cuda":
+        max_batch = int(max_batch or DEFAULT_MAX_BATCH)
+    key = cache_key(config, target, formats, max_batch)
     library = cache_dir / f"lockgate-{key}.so"
     manifest = cache_dir / f"lockgate-{key}.json"
     if library.exists() and manifest.exists():
         try:
-            params = [(n, tuple(s)) for n, s in json.loads(manifest.read_text())["params"]]
-            return CompiledModel(library, params, target, cached=True, formats=formats)
+            entry = json.loads(manifest.read_text())
+            params = [(n, tuple(s)) for n, s in entry["params"]]
+            return CompiledModel(
+                library,
+                params,
+                target,
+                cached=True,
+                formats=formats,
+                dtypes=dict(entry["dtypes"]),
+                schedules=dict(entry.get("schedules", {})),
+            )
         except (ValueError, KeyError, TypeError):
             pass
     if progress is not None:
         progress(f"compiling for {target.kind.name}…")
     started = time.monotonic()
-    executable, params = build_module(config, target, formats)
+    schedules: dict[str, str] = {}
+    executable, params, dtypes = build_module(config, target, formats, max_batch, schedules)
     _write_atomically(library, lambda tmp: executable.export_library(tmp), ".so")
-    body = json.dumps({"params": params, "target": str(target), "tvm": tvm.__version__})
+    body = json.dumps(
+        {
+            "params": params,
+            "dtypes": dtypes,
+            "schedules": schedules,
+            "target": str(target),
+            "tvm": tvm.__version__,
+        }
+    )
     _write_atomically(manifest, lambda tmp: pathlib.Path(tmp).write_text(body), ".json")
     if progress is not None:
         progress(f"compiled for {target.kind.name} in {time.monotonic() - started:.1f} s")
-    return CompiledModel(library, params, target, cached=False, formats=formats)
+    return CompiledModel(
+        library, params, target, cached=False, formats=formats, dtypes=dtypes, schedules=schedules
+    )

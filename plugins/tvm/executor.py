@@ -17,6 +17,16 @@ from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
 #: the only KV page length TVM 0.27's cache kernels (CPU and GPU) are built for
 KV_PAGE_SIZE = 16
 
+#: decode batch sizes on CUDA: a batch is padded up to the next of these, so
+#: `batch_decode` is captured as a CUDA graph once per bucket, not once per
+#: batch size; batches above the last run through `batch_prefill`, whose
+#: `dl.gpu.Matmul` kernels beat `LowBatchGEMV` there (and a step that long is
+#: not bound by kernel launches)
+DECODE_BUCKETS = (2, 4, 8, 16, 24, 32)
+
+#: sequence ids from here up are the executor's own padding sequences
+_PAD_ID_BASE = 1 << 62
+
 
 def _set_num_threads(num_threads: int | None) -> None:
     """Size TVM's CPU thread pool.
@@ -94,16 +104,29 @@ class TVMExecutor(Executor):
             tensors = GGUFTensors(source)
         except OSError as exc:
             raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
-        formats = linear_formats(tensors, config) if target.kind.name == "llvm" else {}
-        self.compiled = compile_model(config, target, options.cache_dir, options.progress, formats)
-        self.device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
+        formats = linear_formats(tensors, config)
+        cuda = target.kind.name == "cuda"
+        self.compiled = compile_model(
+            config,
+            target,
+            options.cache_dir,
+            options.progress,
+            formats,
+            max_batch=options.max_num_seqs if cuda else None,
+        )
+        self.device = tvm.cuda(0) if cuda else tvm.cpu(0)
 
         self._progress("loading weights…")
         try:
             self._params = [
                 tvm.runtime.tensor(array, self.device)
                 for array in iter_gguf_weights(
-                    tensors, config, self.compiled.params, options.progress, self.compiled.formats
+                    tensors,
+                    config,
+                    self.compiled.params,
+                    options.progress,
+                    self.compiled.formats,
+                    gpu=cuda,
                 )
             ]
         except OSError as exc:
@@ -134,14 +157,19 @@ class TVMExecutor(Executor):
         self.page_size = options.page_size
         self.max_num_seqs = options.max_num_seqs
         self.prefill_chunk_size = options.prefill_chunk_size
+        buckets = DECODE_BUCKETS if cuda else ()
+        self._set_decode_buckets(buckets)
         pages = math.ceil(options.max_total_tokens / options.page_size)
+        # Padding sequences hold a page each during a step and none between
+        # steps: those pages are kept out of what the engine sees as free.
         self._kv = self._vm["create_tir_paged_kv_cache"](
-            Shape([options.max_num_seqs]),
-            Shape([pages * options.page_size]),
-            Shape([options.prefill_chunk_size]),
+            Shape([options.max_num_seqs + self._max_pad]),
+            Shape([(pages + self._max_pad) * options.page_size]),
+            # a decode batch past the buckets is one prefill of a token each
+            Shape([max(options.prefill_chunk_size, options.max_num_seqs if buckets else 0)]),
             Shape([options.page_size]),
         )
-        self.total_pages = int(self._available_pages(self._kv))
+        self.total_pages = int(self._available_pages(self._kv)) - self._max_pad
         self.max_sequence_length = min(config.context_length, self.total_pages * self.page_size)
         self.vocab_size = config.vocab_size
         self._lengths: dict[int, int] = {}
@@ -185,7 +213,18 @@ class TVMExecutor(Executor):
 
     def free_pages(self) -> int:
         self._check_open()
-        return int(self._available_pages(self._kv))
+        return int(self._available_pages(self._kv)) - self._max_pad
+
+    def _set_decode_buckets(self, buckets: Sequence[int]) -> None:
+        """Pad decode batches up to `buckets` (empty: never pad, as on the
+        CPU, where no graph is captured and padding would be wasted work).
+        Batches above the largest bucket go through `batch_prefill`."""
+        self._buckets = tuple(sorted(b for b in buckets if b > 1))
+        self._max_pad = 0
+        previous = 1
+        for bucket in self._buckets:
+            self._max_pad = max(self._max_pad, bucket - previous - 1)
+            previous = bucket
 
     # forward passes
 
@@ -222,10 +261,35 @@ class TVMExecutor(Executor):
             raise ValueError(f"{len(ids)} sequence ids but {len(tokens)} tokens")
         lengths = [1] * len(ids)
         self._check_room(ids, lengths)
-        embeds = self._embed_tokens(tokens).view_as((len(ids), 1, self.config.hidden_size))
-        decode = self._decode_one if len(ids) == 1 else self._decode
-        logits = self._forward(ids, lengths, lambda: decode(embeds.tensor, self._kv, self._params))
-        return logits.reshape(len(ids), self.vocab_size)
+        n = len(ids)
+        bucket = next((b for b in self._buckets if b >= n), None) if n > 1 else 1
+        if self._buckets and bucket is None:
+            # past the buckets: the prefill function with one token per
+            # sequence, every row's logits wanted
+            embeds = self._embed_tokens(tokens).view_as((1, n, self.config.hidden_size))
+            positions = self._to_device(np.arange(n, dtype=np.int32))
+            logits = self._forward(
+                ids, lengths, lambda: self._prefill(embeds.tensor, positions, self._kv, self._params)
+            )
+            return logits.reshape(n, self.vocab_size)
+        pad = (bucket - n) if self._buckets else 0
+        pad_ids = [_PAD_ID_BASE + i for i in range(pad)]
+        for pad_id in pad_ids:
+            self._add_seq(self._kv, pad_id)
+        try:
+            padded = np.concatenate([tokens, np.zeros(pad, dtype=np.int32)])
+            embeds = self._embed_tokens(padded).view_as((n + pad, 1, self.config.hidden_size))
+            decode = self._decode_one if n + pad == 1 else self._decode
+            logits = self._forward(
+                ids + pad_ids,
+                lengths + [1] * pad,
+                lambda: decode(embeds.tensor, self._kv, self._params),
+                keep=n,
+            )
+        finally:
+            for pad_id in pad_ids:
+                self._remove_seq(self._kv, pad_id)
+        return logits[:n].reshape(n, self.vocab_size)
 
     def close(self) -> None:
         if self._closed:
@@ -239,9 +303,11 @@ class TVMExecutor(Executor):
 
     # helpers
 
-    def _forward(self, ids: list[int], lengths: list[int], run) -> np.ndarray:
+    def _forward(self, ids: list[int], lengths: list[int], run, keep: int | None = None) -> np.ndarray:
+        """Run one step over `ids`; only the first `keep` (default all) are
+        the caller's sequences, the rest padding."""
         self._begin(self._kv, self._Shape(ids), self._Shape(lengths))
-        for seq_id, n in zip(ids, lengths):
+        for seq_id, n in list(zip(ids, lengths))[:keep]:
             self._lengths[seq_id] += n
         try:
             out = run()
@@ -268,8 +334,8 @@ class TVMExecutor(Executor):
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
             raise ValueError(f"sequence ids are integers, got {seq_id!r}")
         seq_id = int(seq_id)
-        if seq_id < 0:
-            raise ValueError(f"sequence ids are non-negative, got {seq_id}")
+        if not 0 <= seq_id < _PAD_ID_BASE:
+            raise ValueError(f"sequence ids are in [0, 2**62), got {seq_id}")
         return seq_id
 
     def _known(self, seq_id) -> int:

@@ -5,10 +5,19 @@ memory. On the CPU they are further cut into panels of `panel_width(out)`
 columns, stored (out / panel, in, panel): the matmul schedule in `compile.py`
 walks one panel per thread step, and a contiguous panel streams from memory
 and stays in cache, where the strided columns of a plain (in, out) matrix
-thrash both. On CUDA the plain layout and `op.matmul` suit the dlight rules.
-The q/k/v and gate/up projections are fused into one weight each. With tied
-embeddings a single head matrix serves as both the LM head and, gathered
-column-wise, the token embedding.
+thrash both. The q/k/v and gate/up projections are fused into one weight
+each. With tied embeddings a single head matrix serves as both the LM head
+and, gathered column-wise, the token embedding.
+
+On CUDA (`GPULinear`) weights are (out, in), the layout dlight's GPU rules
+read along the reduction axis, in float16, and so are the activations and
+the KV cache; Q4_0, Q4_1 and Q8_0 weights stay packed as in the GGUF file
+(codes plus float16 scales per 32 inputs) and are dequantized inside the
+matmul. float16 rather than bfloat16: TVM 0.27's tensor-core intrinsics
+(`wmma_*`/`mma_*` in `tvm.s_tir.tensor_intrin.cuda`) and dlight's
+`MatmulTensorization` take float16 (or int8) inputs only, and the GGUF
+scales are float16 already. Matmuls, norms and the logits accumulate in
+float32; the logits leave as float32.
 
 Several rows of activations share each loaded weight vector when the matmul
 computes a row tile at once. The row count is symbolic, so a tiled matmul
@@ -28,8 +37,11 @@ from tvm.target import Target
 
 from lockgate.models.config import LlamaConfig
 
-#: the activation dtype (and the KV cache's on CUDA)
+#: the activation dtype on the CPU
 DTYPE = "float32"
+
+#: the activation, weight and KV cache dtype on CUDA
+GPU_DTYPE = "float16"
 
 #: the KV cache dtype on the CPU: half the memory of float32, and the
 #: attention kernels accumulate in float32 whatever they read
@@ -115,23 +127,121 @@ def _panel_columns(fmt: str, k_extent: int, ids: te.Tensor, *ws: te.Tensor) -> t
     )
 
 
-class Linear(nn.Module):
-    """y = x @ W, W stored (in, out) or, when `paneled`, as column panels
-    (out / panel, in, panel).
+def _gpu_weight_value(fmt: str, ws: list[te.Tensor], n, k):
+    """Element (n, k) of an (out, in) GPU weight, as float16.
 
-    Paneled weights come in the formats of `weights.linear_formats`: a
+    The 4-bit codes are packed as on the CPU (bits 4·(k % 8) of word k // 8)
+    but rows are output features, so a thread walking k reads consecutive
+    words; codes of at most 15 (or ±127) times a float16 scale are exactly
+    what llama.cpp's CUDA kernels compute in half precision.
+    """
+    if fmt == "f16":
+        return ws[0][n, k]
+    scale = ws[1][n, k // 32]
+    if fmt == "q8_0":
+        return ws[0][n, k].astype(GPU_DTYPE) * scale
+    shift = (k % 8 * 4).astype("uint32")
+    code = ((ws[0][n, k // 8] >> shift) & tirx.const(15, "uint32")).astype(GPU_DTYPE)
+    if fmt == "q4_0":
+        return (code - tirx.const(8, GPU_DTYPE)) * scale
+    return code * scale + ws[2][n, k // 32]
+
+
+def _gpu_matmul(fmt: str, out_dtype: str, x: te.Tensor, *ws: te.Tensor) -> te.Tensor:
+    """x (…, in) times the (out, in) weight, accumulated in float32.
+
+    A packed weight is dequantized by its own stage, named `dequantize`:
+    dlight's GEMV inlines it into the reduction, `LowBatchGEMV` computes it
+    per tile by that name, and `Matmul` inlines it into the load of the
+    weight tile into shared memory, so the float16 matrix is never stored.
+    """
+    *lead, k_extent = x.shape
+    n_extent = ws[0].shape[0]
+    if fmt == "f16":
+        w = ws[0]
+    else:
+        w = te.compute(
+            (n_extent, k_extent),
+            lambda n, k: _gpu_weight_value(fmt, ws, n, k),
+            name="dequantize",
+        )
+    k = te.reduce_axis((0, k_extent), name="k")
+    acc = te.compute(
+        (*lead, n_extent),
+        lambda *i: te.sum(
+            x[(*i[:-1], k)].astype("float32") * w[i[-1], k].astype("float32"), axis=k
+        ),
+        name="matmul",
+    )
+    if out_dtype == "float32":
+        return acc
+    return te.compute(acc.shape, lambda *i: acc[i].astype(out_dtype), name="cast")
+
+
+def _gpu_rows(fmt: str, k_extent: int, ids: te.Tensor, *ws: te.Tensor) -> te.Tensor:
+    return te.compute(
+        (ids.shape[0], k_extent),
+        lambda t, k: _gpu_weight_value(fmt, ws, ids[t], k),
+        name="take_rows",
+    )
+
+
+class GPULinear(nn.Module):
+    """y = x @ W.T on CUDA, W stored (out, in).
+
+    `fmt` is one of `weights.linear_formats`' formats; float32 and other
+    unpacked weights are kept as float16. Packed formats keep `codes`
+    ((out, in / 8) uint32 for Q4_0/Q4_1, (out, in) int8 for Q8_0) and
+    float16 `scales` (out, in / 32), plus `mins` for Q4_1.
+    """
+
+    def __init__(self, in_features: int, out_features: int, fmt: str = "f16") -> None:
+        self.fmt = fmt if fmt in ("q4_0", "q4_1", "q8_0") else "f16"
+        self.in_features = in_features
+        if self.fmt == "f16":
+            self.weight = nn.Parameter((out_features, in_features), GPU_DTYPE)
+            return
+        if self.fmt == "q8_0":
+            self.codes = nn.Parameter((out_features, in_features), "int8")
+        else:
+            self.codes = nn.Parameter((out_features, in_features // 8), "uint32")
+        self.scales = nn.Parameter((out_features, in_features // 32), GPU_DTYPE)
+        if self.fmt == "q4_1":
+            self.mins = nn.Parameter((out_features, in_features // 32), GPU_DTYPE)
+
+    def _stored(self) -> list:
+        if self.fmt == "f16":
+            return [self.weight]
+        return [self.codes, self.scales] + ([self.mins] if self.fmt == "q4_1" else [])
+
+    def forward(self, x: Tensor, row_tile: int = 1, out_dtype: str = GPU_DTYPE) -> Tensor:
+        fmt = self.fmt
+        return op.tensor_expr_op(
+            lambda xt, *ws: _gpu_matmul(fmt, out_dtype, xt, *ws), "matmul", [x, *self._stored()]
+        )
+
+    def columns(self, ids: Tensor) -> Tensor:
+        """W.T[:, ids] as (len(ids), in): rows of the stored weight."""
+        if self.fmt == "f16":
+            return op.take(self.weight, ids, axis=0)
+        fmt, k_extent = self.fmt, self.in_features
+        return op.tensor_expr_op(
+            lambda it, *ws: _gpu_rows(fmt, k_extent, it, *ws), "take_rows", [ids, *self._stored()]
+        )
+
+
+class Linear(nn.Module):
+    """y = x @ W on the CPU, W stored as column panels (out / panel, in, panel).
+
+    Weights come in the formats of `weights.linear_formats`: a
     float32 or float16 `weight`, or quantized `codes` with per-32 `scales`
     (and `mins` for Q4_1), whose rows are the input features in groups of 8
     (4-bit codes packed in a uint32), 1 (Q8_0's int8) or 32 (scales).
     """
 
-    def __init__(self, in_features: int, out_features: int, paneled: bool, fmt: str = "f32") -> None:
-        self.paneled = paneled
-        self.fmt = fmt if paneled else "f32"
+    def __init__(self, in_features: int, out_features: int, fmt: str = "f32") -> None:
+        self.fmt = fmt
         self.in_features = in_features
-        if not paneled:
-            self.weight = nn.Parameter((in_features, out_features), DTYPE)
-            return
         width = panel_width(out_features)
         panels = out_features // width
         if self.fmt in ("f32", "f16"):
@@ -153,9 +263,7 @@ class Linear(nn.Module):
             return [self.weight]
         return [self.codes, self.scales] + ([self.mins] if self.fmt == "q4_1" else [])
 
-    def forward(self, x: Tensor, row_tile: int = 1) -> Tensor:
-        if not self.paneled:
-            return op.matmul(x, self.weight)
+    def forward(self, x: Tensor, row_tile: int = 1, out_dtype: str = DTYPE) -> Tensor:
         fmt, stored = self.fmt, self._stored()
         if row_tile == 1:
             return op.tensor_expr_op(
@@ -173,39 +281,51 @@ class Linear(nn.Module):
 
     def columns(self, ids: Tensor) -> Tensor:
         """W[:, ids] as (len(ids), in): the rows of the transposed weight."""
-        if self.paneled:
-            fmt, k_extent = self.fmt, self.in_features
-            return op.tensor_expr_op(
-                lambda it, *ws: _panel_columns(fmt, k_extent, it, *ws),
-                "take_columns",
-                [ids, *self._stored()],
-            )
-        return op.permute_dims(op.take(self.weight, ids, axis=1), [1, 0])
+        fmt, k_extent = self.fmt, self.in_features
+        return op.tensor_expr_op(
+            lambda it, *ws: _panel_columns(fmt, k_extent, it, *ws),
+            "take_columns",
+            [ids, *self._stored()],
+        )
+
+
+def _linear(in_features: int, out_features: int, cpu: bool, fmt: str):
+    """The CPU's paneled `Linear` or CUDA's `GPULinear`."""
+    if cpu:
+        return Linear(in_features, out_features, fmt)
+    return GPULinear(in_features, out_features, fmt)
 
 
 class RMSNorm(nn.Module):
+    """RMS norm with a float32 weight, computed in float32 whatever the
+    activations' dtype."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
-        self.weight = nn.Parameter((hidden_size,), DTYPE)
+        self.weight = nn.Parameter((hidden_size,), "float32")
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return op.rms_norm(x, self.weight, axes=[-1], epsilon=self.eps)
+        if x.dtype == "float32":
+            return op.rms_norm(x, self.weight, axes=[-1], epsilon=self.eps)
+        y = op.rms_norm(x.astype("float32"), self.weight, axes=[-1], epsilon=self.eps)
+        return y.astype(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, paneled: bool, formats: dict) -> None:
+    def __init__(self, config: LlamaConfig, layer_id: int, cpu: bool, formats: dict) -> None:
         self.layer_id = layer_id
-        self.kv_dtype = CPU_KV_DTYPE if paneled else DTYPE
+        self.act_dtype = DTYPE if cpu else GPU_DTYPE
+        self.kv_dtype = CPU_KV_DTYPE if cpu else GPU_DTYPE
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         p = f"layers.{layer_id}.self_attn."
-        self.qkv_proj = Linear(config.hidden_size, qkv_out, paneled, formats.get(p + "qkv_proj", "f32"))
-        self.o_proj = Linear(
+        self.qkv_proj = _linear(config.hidden_size, qkv_out, cpu, formats.get(p + "qkv_proj", "f32"))
+        self.o_proj = _linear(
             config.num_heads * config.head_dim,
             config.hidden_size,
-            paneled,
+            cpu,
             formats.get(p + "o_proj", "f32"),
         )
 
@@ -215,28 +335,28 @@ class Attention(nn.Module):
             self.qkv_proj(x, row_tile),
             (b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim),
         )
-        if self.kv_dtype != DTYPE:
+        if self.kv_dtype != self.act_dtype:
             qkv = qkv.astype(self.kv_dtype)
         out = kv_cache.attention_with_fused_qkv(
             self.layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5
         )
-        if self.kv_dtype != DTYPE:
-            out = out.astype(DTYPE)
+        if self.kv_dtype != self.act_dtype:
+            out = out.astype(self.act_dtype)
         return self.o_proj(op.reshape(out, (b, s, self.num_heads * self.head_dim)), row_tile)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, paneled: bool, formats: dict) -> None:
+    def __init__(self, config: LlamaConfig, layer_id: int, cpu: bool, formats: dict) -> None:
         p = f"layers.{layer_id}.mlp."
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
+        self.gate_up_proj = _linear(
             config.hidden_size,
             2 * config.intermediate_size,
-            paneled,
+            cpu,
             formats.get(p + "gate_up_proj", "f32"),
         )
-        self.down_proj = Linear(
-            config.intermediate_size, config.hidden_size, paneled, formats.get(p + "down_proj", "f32")
+        self.down_proj = _linear(
+            config.intermediate_size, config.hidden_size, cpu, formats.get(p + "down_proj", "f32")
         )
 
     def forward(self, x: Tensor, row_tile: int) -> Tensor:
@@ -245,11 +365,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, paneled: bool, formats: dict) -> None:
+    def __init__(self, config: LlamaConfig, layer_id: int, cpu: bool, formats: dict) -> None:
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id, paneled, formats)
+        self.self_attn = Attention(config, layer_id, cpu, formats)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_id, paneled, formats)
+        self.mlp = MLP(config, layer_id, cpu, formats)
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv_cache, row_tile)
@@ -267,18 +387,18 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig, target: Target, formats: dict | None = None) -> None:
         self.config = config
         self.target = target
-        paneled = target.kind.name == "llvm"
-        self.kv_dtype = CPU_KV_DTYPE if paneled else DTYPE
+        cpu = target.kind.name == "llvm"
+        self.cpu = cpu
+        self.act_dtype = DTYPE if cpu else GPU_DTYPE
+        self.kv_dtype = CPU_KV_DTYPE if cpu else GPU_DTYPE
         formats = formats or {}
         if not config.tie_word_embeddings:
-            self.embed_tokens = nn.Parameter((config.vocab_size, config.hidden_size), DTYPE)
+            self.embed_tokens = nn.Parameter((config.vocab_size, config.hidden_size), self.act_dtype)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, i, paneled, formats) for i in range(config.num_layers)]
+            [DecoderLayer(config, i, cpu, formats) for i in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, paneled, formats.get("lm_head", "f32")
-        )
+        self.lm_head = _linear(config.hidden_size, config.vocab_size, cpu, formats.get("lm_head", "f32"))
 
     def embed(self, input_ids: Tensor) -> Tensor:
         if self.config.tie_word_embeddings:
@@ -298,17 +418,17 @@ class LlamaForCausalLM(nn.Module):
         hidden = self._body(input_embeds, kv_cache, PREFILL_ROW_TILE)
         # Only the rows whose logits are wanted go through the norm and head.
         hidden = op.take(hidden, logit_positions, axis=1)
-        return self.lm_head(self.norm(hidden)), kv_cache
+        return self.lm_head(self.norm(hidden), 1, "float32"), kv_cache
 
     def batch_decode(self, input_embeds: Tensor, kv_cache: PagedKVCache):
         hidden = self._body(input_embeds, kv_cache, DECODE_ROW_TILE)
-        return self.lm_head(self.norm(hidden), DECODE_ROW_TILE), kv_cache
+        return self.lm_head(self.norm(hidden), DECODE_ROW_TILE, "float32"), kv_cache
 
     def decode_one(self, input_embeds: Tensor, kv_cache: PagedKVCache):
         """`batch_decode` for a batch of one (or a few): untiled rows waste
         no work on padding."""
         hidden = self._body(input_embeds, kv_cache, 1)
-        return self.lm_head(self.norm(hidden)), kv_cache
+        return self.lm_head(self.norm(hidden), 1, "float32"), kv_cache
 
     def create_tir_paged_kv_cache(
         self,
@@ -347,6 +467,7 @@ class LlamaForCausalLM(nn.Module):
     def export_spec(self) -> dict:
         """The `export_tvm` spec: packed parameters last, no effects."""
         hidden = self.config.hidden_size
+        dtype = self.act_dtype
         packed = {"param_mode": "packed", "effect_mode": "none"}
         kv = nn.spec.Object(object_type=PagedKVCache)
         return {
@@ -355,20 +476,24 @@ class LlamaForCausalLM(nn.Module):
                 "$": packed,
             },
             "batch_prefill": {
-                "input_embeds": nn.spec.Tensor([1, "num_tokens", hidden], DTYPE),
+                "input_embeds": nn.spec.Tensor([1, "num_tokens", hidden], dtype),
                 "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
                 "kv_cache": kv,
                 "$": packed,
             },
             "batch_decode": {
-                "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], DTYPE),
+                "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dtype),
                 "kv_cache": kv,
                 "$": packed,
             },
-            # The batch stays symbolic even here: with a static batch of one,
-            # dlight's CPU reduction rule recomputes rms_norm once per column.
+            # On the CPU the batch stays symbolic even here: with a static
+            # batch of one, dlight's CPU reduction rule recomputes rms_norm
+            # once per column. On CUDA it is static, which is what
+            # `dl.gpu.GEMV` matches (and what a CUDA graph captures).
             "decode_one": {
-                "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], DTYPE),
+                "input_embeds": nn.spec.Tensor(
+                    ["batch_size" if self.cpu else 1, 1, hidden], dtype
+                ),
                 "kv_cache": kv,
                 "$": packed,
             },

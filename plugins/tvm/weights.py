@@ -11,6 +11,9 @@ their GGUF blocks are repacked bit-exactly into codes plus per-32 scales
 (and minimums), laid out as column panels like any other weight, and the
 matmul dequantizes as it multiplies (`model.Linear`). F16 weights stay f16,
 F32 weights f32; other GGML types are dequantized to f16.
+
+On CUDA (`gpu=True`) the same codes stay packed, but in (out, in) order with
+float16 scales (`model.GPULinear`), and every unpacked weight is float16.
 """
 
 from __future__ import annotations
@@ -281,10 +284,17 @@ def linear_formats(tensors: GGUFTensors, config: LlamaConfig) -> dict[str, str]:
 
 
 def _linear_arrays(
-    t: GGUFTensors, c: LlamaConfig, module: str, parts: list[tuple[str, int, int]], fmt: str
+    t: GGUFTensors,
+    c: LlamaConfig,
+    module: str,
+    parts: list[tuple[str, int, int]],
+    fmt: str,
+    gpu: bool = False,
 ) -> dict[str, np.ndarray]:
     """A linear module's parameters in (rows, out) layout, rows being the
-    input features (or their groups of 8 / 32 for codes and scales)."""
+    input features (or their groups of 8 / 32 for codes and scales); with
+    `gpu`, (out, rows) as `model.GPULinear` keeps them, float16 scales and
+    weights (anything not kept packed becomes float16)."""
     cols = _in_features(c, module)
     if fmt in QUANTIZED_FORMATS:
         pieces = [t.quantized(name, rows, cols, fmt) for name, rows, _ in parts]
@@ -292,14 +302,23 @@ def _linear_arrays(
             if heads:
                 for key in piece:
                     piece[key] = undo_rope_permutation(piece[key], heads)
-        return {
-            f"{module}.{key}": np.concatenate([p[key] for p in pieces], axis=0).T
+        out = {
+            f"{module}.{key}": np.concatenate([p[key] for p in pieces], axis=0)
             for key in pieces[0]
+        }
+        if not gpu:
+            return {name: array.T for name, array in out.items()}
+        # the file's scales are float16: the cast back is exact
+        return {
+            name: array if name.endswith(".codes") else array.astype(np.float16)
+            for name, array in out.items()
         }
     matrices = []
     for name, rows, heads in parts:
         w = t.matrix(name, rows, cols)
         matrices.append(undo_rope_permutation(w, heads) if heads else w)
+    if gpu:
+        return {f"{module}.weight": np.concatenate(matrices, axis=0).astype(np.float16)}
     dtype = np.float16 if fmt == "f16" else np.float32
     return {f"{module}.weight": np.concatenate(matrices, axis=0).T.astype(dtype, copy=False)}
 
@@ -310,6 +329,7 @@ def iter_gguf_weights(
     param_names: Iterable[tuple[str, tuple[int, ...]]],
     progress: Callable[[str], None] | None = None,
     formats: dict[str, str] | None = None,
+    gpu: bool = False,
 ) -> Iterator[np.ndarray]:
     """The model's parameters as contiguous arrays, in the given order, one
     at a time, so a caller that copies each to a device never holds the
@@ -320,7 +340,9 @@ def iter_gguf_weights(
         `model.LlamaForCausalLM`, in its `named_parameters` order; a 3-D shape
         asks for the paneled (out / panel, rows, panel) layout.
     :param formats: `linear_formats` of the compiled model; None stores
-        every linear weight as float32.
+        every linear weight as float32 (float16 with `gpu`).
+    :param gpu: the CUDA layout of `model.GPULinear`: (out, in) weights,
+        packed codes with float16 scales, a float16 embedding table.
     :raises ModelLoadError: a tensor is missing, mis-shaped or of a type that
         cannot be dequantized.
     """
@@ -329,7 +351,8 @@ def iter_gguf_weights(
     formats = formats or {}
     by_name: dict[str, np.ndarray] = {}
     if not c.tie_word_embeddings:
-        by_name["embed_tokens"] = tensors.matrix("token_embd.weight", c.vocab_size, c.hidden_size)
+        embed = tensors.matrix("token_embd.weight", c.vocab_size, c.hidden_size)
+        by_name["embed_tokens"] = embed.astype(np.float16) if gpu else embed
     by_name["norm.weight"] = tensors.vector("output_norm.weight", c.hidden_size)
     loaded: set[str] = set()
     for name, shape in param_names:
@@ -339,7 +362,9 @@ def iter_gguf_weights(
                 layer = int(module.split(".")[1])
                 if layer % 10 == 0:
                     progress(f"loading weights: layer {layer + 1}/{c.num_layers}")
-            by_name.update(_linear_arrays(tensors, c, module, sources[module], formats.get(module, "f32")))
+            by_name.update(
+                _linear_arrays(tensors, c, module, sources[module], formats.get(module, "f32"), gpu)
+            )
             loaded.add(module)
         elif name not in by_name and name.startswith("layers."):
             i = int(name.split(".")[1])
