@@ -512,3 +512,75 @@ def test_unsupported_or_mixed_types_fall_back_to_f16(tmp_path):
     path = write_tiny_gguf(tmp_path / "q5.gguf", tensor_type="Q5_0")
     formats = linear_formats(GGUFTensors(path), LlamaConfig.from_gguf(gguf.GGUFReader(path)))
     assert set(formats.values()) == {"f16"}
+
+
+def test_padded_decode_equals_unpadded(tiny_files, compile_cache):
+    """CUDA pads decode batches to buckets with the executor's own padding
+    sequences (one graph capture per bucket) and sends batches past the
+    buckets through the prefill function; forced on here on the CPU, both
+    give the logits of a plain batched decode and leave no page behind."""
+    ex = make_executor(tiny_files["F16"], compile_cache, max_num_seqs=8)
+    try:
+        prompts = [PROMPT, [1, 80, 81, 82, 83, 84, 85], [5]]
+        results = []
+        pages = int(ex._available_pages(ex._kv))  # the reserve moves with the buckets
+        for buckets in ((), (4, 8), (2,)):
+            ex._set_decode_buckets(buckets)
+            ids = [len(results) * 10 + i for i in range(len(prompts))]
+            for s in ids:
+                ex.add_sequence(s)
+            logits = ex.prefill(ids, prompts)
+            steps = []
+            for _ in range(3):
+                logits = ex.decode(ids, [int(row.argmax()) for row in logits])
+                steps.append(logits)
+            results.append(np.stack(steps))
+            for s in ids:
+                ex.remove_sequence(s)
+            assert int(ex._available_pages(ex._kv)) == pages
+        plain, padded, past_buckets = results
+        np.testing.assert_allclose(padded, plain, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(past_buckets, plain, **MERGED_TOLERANCE)
+        assert padded.shape == (3, len(prompts), ex.vocab_size)
+    finally:
+        ex.close()
+
+
+@pytest.mark.parametrize("kind", ["F16", "Q8_0", "Q4_0", "Q4_1"])
+def test_gpu_layout_matmul_matches_numpy_on_cpu(kind, tiny_files):
+    """The CUDA model's matmul (dequantize stage + float32 reduction) over
+    the GPU layout of real GGUF weights, built for llvm from the same TE,
+    equals numpy on the file's dequantized values."""
+    import tvm
+    from tvm import te
+
+    from lockgate.plugins.tvm.model import _gpu_matmul
+    from lockgate.plugins.tvm.weights import GGUFTensors, _linear_arrays, linear_formats
+
+    path = tiny_files[kind]
+    reader = gguf.GGUFReader(path)
+    config = LlamaConfig.from_gguf(reader)
+    tensors = GGUFTensors(path)
+    fmt = linear_formats(tensors, config)["layers.1.mlp.down_proj"]
+    parts = [("blk.1.ffn_down.weight", config.hidden_size, 0)]
+    arrays = _linear_arrays(tensors, config, "layers.1.mlp.down_proj", parts, fmt, gpu=True)
+    keys = ["weight"] if fmt == "f16" else ["codes", "scales"] + (["mins"] if fmt == "q4_1" else [])
+    stored = [arrays[f"layers.1.mlp.down_proj.{key}"] for key in keys]
+    if fmt == "f16":
+        assert [a.dtype for a in stored] == [np.float16]
+    else:
+        assert stored[0].dtype in (np.uint32, np.int8) and stored[1].dtype == np.float16
+    want_w = _read(reader, "blk.1.ffn_down.weight")  # (out, in), float64
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 5, config.intermediate_size)).astype(np.float16)
+
+    xt = te.placeholder(x.shape, "float16", name="x")
+    wts = [te.placeholder(a.shape, str(a.dtype), name=f"w{i}") for i, a in enumerate(stored)]
+    out = _gpu_matmul(fmt, "float32", xt, *wts)
+    lib = tvm.compile(te.create_prim_func([xt, *wts, out]), target="llvm")
+    dev = tvm.cpu()
+    result = tvm.runtime.empty((1, 5, config.hidden_size), "float32", dev)
+    lib(tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for a in stored], result)
+    # the half-precision dequantization rounds each weight to 11 bits
+    expected = x.astype(np.float64) @ want_w.astype(np.float16).astype(np.float64).T
+    np.testing.assert_allclose(result.numpy(), expected, rtol=2e-3, atol=2e-3)
