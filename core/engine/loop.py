@@ -293,7 +293,8 @@ class Engine:
         # a one-token prompt goes in as a decode row: it may be the one to fork
         ready, rows = self._forked_when_prompt_is_in(list(enumerate(choices)), events)
         if ready:
-            self._sample(ready, logits[rows], events)
+            # no fork and no failure: the rows are the logits as they are
+            self._sample(ready, logits if rows == list(range(len(logits))) else logits[rows], events)
 
     def _run_prefill(self, chunks: list[tuple[Choice, list[int]]], events: Events) -> None:
         try:
@@ -356,19 +357,23 @@ class Engine:
                     )
                     continue
             state = choice.request
-            rows.append(SamplingRow(state.params, choice.rng, state.prompt_ids, choice.output_ids, allowed))
+            params = state.params
+            rng = None if params.greedy else choice.rng
+            rows.append(SamplingRow(params, rng, state.prompt_ids, choice.output_ids, allowed))
             sampled.append(choice)
             logit_rows.append(i)
         if not sampled:
             return
-        tokens, logprobs = sample_batch(logits[logit_rows], rows)
+        if len(logit_rows) < len(logits):
+            logits = logits[logit_rows]
+        tokens, logprobs = sample_batch(logits, rows)
         now = time.monotonic()
-        for choice, token, logprob in zip(sampled, tokens, logprobs):
+        for choice, token, logprob in zip(sampled, tokens.tolist(), logprobs):
             state = choice.request
             if state.done or choice.finished:
                 continue
             try:
-                delta = self.stop_checker.accept(choice, int(token), logprob)
+                delta = self.stop_checker.accept(choice, token, logprob)
             except Exception:
                 log.exception("generation failed for one request", request_id=state.request_id)
                 self._retire(state, ERROR, InternalError("generation failed for this request"), events)

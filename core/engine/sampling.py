@@ -32,7 +32,8 @@ class SamplingRow:
     """What sampling one sequence's next token needs."""
 
     params: SamplingParams
-    rng: np.random.Generator
+    #: the choice's random stream; None for a greedy row, which draws nothing
+    rng: np.random.Generator | None
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     #: allowed tokens (structured output), or None for all
@@ -80,6 +81,16 @@ def _needs_processing(params: SamplingParams) -> bool:
     )
 
 
+def _plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
+    return (
+        row.allowed is None
+        and params.logprobs is None
+        and params.greedy
+        and not _needs_processing(params)
+    )
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     shifted = x - x.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
@@ -96,6 +107,9 @@ def sample_batch(
     `top_logprobs` most likely tokens.
     """
     batch = len(rows)
+    if logits.dtype == np.float32 and all(_plain_greedy(row) for row in rows):
+        # the common case, on every step: nothing to adjust or report
+        return np.argmax(logits[:batch], axis=1), [None] * batch
     x = np.array(logits[:batch], dtype=np.float32, copy=True)
     raw_logprobs = {
         i: None for i, row in enumerate(rows) if row.params.logprobs is not None

@@ -29,9 +29,18 @@ class Choice:
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, request.prompt_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens
         )
-        self.rng = make_generator(params, index)
+        self._rng: np.random.Generator | None = None
         self.matcher = None if params.grammar is None else params.grammar.matcher()
         self.finished = False
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The choice's random stream, made when first drawn from: greedy
+        choices never draw, and seeding a generator from the system's
+        entropy costs more than a whole engine step spends on a token."""
+        if self._rng is None:
+            self._rng = make_generator(self.request.params, self.index)
+        return self._rng
 
     def tokens(self) -> list[int]:
         """Prompt and output so far: what the choice's KV sequence is to hold."""

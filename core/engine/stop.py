@@ -29,20 +29,19 @@ class StopChecker:
         params = choice.request.params
         choice.output_ids.append(token)
         logprobs = None if logprob is None else [logprob]
-
-        def delta(text: str, reason: str | None) -> Delta:
-            return Delta(choice.index, text, [token], reason, logprobs)
-
-        if choice.matcher is not None:
-            choice.matcher.accept(token)
+        matcher = choice.matcher
+        detokenizer = choice.detokenizer
+        if matcher is not None:
+            matcher.accept(token)
         is_eos = token in self.eos_token_ids and not params.ignore_eos
         if is_eos or token in params.stop_token_ids:
-            return delta(choice.detokenizer.finish(), STOP)
-        step = choice.detokenizer.add(token)
+            return Delta(choice.index, detokenizer.finish(), [token], STOP, logprobs)
+        step = detokenizer.add(token)
+        text, reason = step.text, None
         if step.stopped:
-            return delta(step.text, STOP)
-        if choice.matcher is not None and choice.matcher.is_finished:
-            return delta(step.text + choice.detokenizer.finish(), STOP)
-        if len(choice.output_ids) >= choice.request.max_tokens:
-            return delta(step.text + choice.detokenizer.finish(), LENGTH)
-        return delta(step.text, None)
+            reason = STOP
+        elif matcher is not None and matcher.is_finished:
+            text, reason = text + detokenizer.finish(), STOP
+        elif len(choice.output_ids) >= choice.request.max_tokens:
+            text, reason = text + detokenizer.finish(), LENGTH
+        return Delta(choice.index, text, [token], reason, logprobs)
