@@ -8,15 +8,19 @@
 * the environment variables `LOCKGATE_<NAME>` (`values_from_env`);
 * the `--flags` of `lockgate serve` (`add_arguments`);
 * the README's configuration table (`markdown_table`, or
-  `python -m lockgate.settings`).
+  `python -m lockgate.settings`);
+* `Settings`, the dataclass with one field per setting, which the server,
+  the engines and the Ray replicas are configured from.
 
-This module imports nothing from lockgate, so every layer may import it.
+This module imports nothing from lockgate at import time, so every layer
+may import it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -160,12 +164,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("replicas", str, None,
             "engine replicas on Ray Serve (`lockgate[ray]`): a number, or `auto` to scale between "
             "`--min-replicas` and `--max-replicas` on ongoing requests",
-            default_text="none: one engine in this process", metavar="N|auto"),
+            default_text="none: one engine in this process", metavar="N"),
     Setting("min_replicas", int, 1, "fewest replicas with `--replicas auto`"),
     Setting("max_replicas", int, 4, "most replicas with `--replicas auto`"),
     Setting("ray_address", str, "local",
-            "the Ray cluster replicas run on: `local` starts one in this process; `auto`, "
-            "`ray://HOST:10001` or `HOST:6379` join an existing one (KubeRay included)", metavar="ADDRESS"),
+            "the Ray cluster replicas run on: `local` starts one in this process; `auto` or "
+            "`HOST:6379` joins an existing one from one of its nodes (KubeRay included), and attaches to "
+            "replicas already deployed there as `lockgate-<served model name>`", metavar="ADDRESS"),
     Setting("gpus_per_replica", float, 0.0, "GPUs Ray gives each replica (0: CPU replicas)"),
     Setting("cpus_per_replica", float, 1.0,
             "CPUs Ray reserves for each replica (its executor threads are `--num-threads`)"),
@@ -247,6 +252,57 @@ def _flag_parser(setting: Setting) -> Callable[[str], Any]:
 
 def _plain(markdown: str) -> str:
     return markdown.replace("`", "")
+
+
+def _fields_from_table(cls: type) -> type:
+    """Make `cls` a dataclass with one field per entry of `SETTINGS`, the
+    entry's default as the field's."""
+    cls.__annotations__ = {setting.name: setting.annotation for setting in SETTINGS}
+    for setting in SETTINGS:
+        setattr(cls, setting.name, setting.default)
+    return dataclasses.dataclass(cls)
+
+
+@_fields_from_table
+class Settings:
+    """Everything `lockgate serve` can be told: one field per entry of
+    `lockgate.settings.SETTINGS` (`Settings().port`, `Settings(port=9000)`)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Defaults, then `LOCKGATE_*` variables, then `overrides` (those not
+        None; text is parsed like a variable's, so `api_keys="a,b"` works).
+        Raises `InvalidSetting` naming the variable or setting that does not parse."""
+        env = os.environ if env is None else env
+        values = values_from_env(env)
+        for name, value in overrides.items():
+            if value is None:
+                continue
+            if isinstance(value, str):
+                try:
+                    value = get_setting(name).parse(value)
+                except InvalidSetting as exc:
+                    raise InvalidSetting(f"{name} {exc}") from None
+            values[name] = value
+        return cls(**values)
+
+    def executor_options(self, progress=None):
+        """The `ExecutorOptions` these settings hold."""
+        # imported here: those modules take their defaults from this one
+        from lockgate.models.executor import ExecutorOptions
+
+        return ExecutorOptions(**self._held_by(ExecutorOptions), progress=progress)
+
+    def engine_options(self):
+        """The `EngineOptions` these settings hold."""
+        from lockgate.engine.options import EngineOptions
+
+        return EngineOptions(**self._held_by(EngineOptions))
+
+    def _held_by(self, options_class: type) -> dict[str, Any]:
+        """The settings `options_class` has a field of the same name for."""
+        names = {field.name for field in dataclasses.fields(options_class)}
+        return {setting.name: getattr(self, setting.name) for setting in SETTINGS if setting.name in names}
 
 
 def markdown_table() -> str:

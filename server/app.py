@@ -21,7 +21,7 @@ from aiohttp import web
 
 from lockgate.logging import configure_logging
 from lockgate.metrics import Metrics
-from lockgate.models import Model, ServedModels, load_model
+from lockgate.models import Model, ServedModels, load_model_from_settings
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.server.config import Settings, serve_parser, settings_from_args
 from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS
@@ -109,25 +109,14 @@ def _model_lifecycle(given: list[Model] | None):
 def load_from_settings(pm: pluggy.PluginManager, settings: Settings) -> Model:
     """Load the model `settings` names, reporting progress in the log; with
     `settings.replicas`, its engines run as replicas on Ray Serve."""
+    def progress(message: str) -> None:
+        log.info(message, model=settings.model)
+
     if settings.replicas is not None:
         from lockgate.plugins.ray import serve_on_ray
 
-        return serve_on_ray(pm, settings, progress=lambda message: log.info(message, model=settings.model))
-    chat_template = None
-    if settings.chat_template is not None:
-        chat_template = settings.chat_template.read_text()
-    return load_model(
-        pm,
-        settings.model,
-        executor=settings.executor,
-        served_name=settings.served_model_name,
-        chat_template=chat_template,
-        executor_options=settings.executor_options(
-            progress=lambda message: log.info(message, model=settings.model)
-        ),
-        engine_options=settings.engine_options(),
-        tool_call_format=settings.tool_call_format,
-    )
+        return serve_on_ray(pm, settings, progress=progress)
+    return load_model_from_settings(pm, settings, progress=progress)
 
 
 def app_from_env() -> web.Application:

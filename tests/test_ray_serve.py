@@ -1,9 +1,14 @@
-"""Scale-out on Ray Serve (`lockgate serve --replicas 2 --ray-address local`):
-the same answers, errors and clean-up as one local engine, across replica
-processes, with prefix affinity and a replica killed mid-stream.
+"""Scale-out on Ray Serve: the same answers, errors and clean-up as one local
+engine, across replica processes, with prefix affinity and a replica killed
+mid-stream.
 
-Each server here is a real `lockgate serve` process that starts a local Ray
-cluster with two engine replicas on the tiny model (about 20 s)."""
+Two real set-ups, two engine replicas each on the tiny model:
+* `ray_server`: `lockgate serve --replicas 2 --ray-address local`, which
+  starts Ray and deploys the replicas itself;
+* `attached_server`: the replicas deployed as deploy/kuberay-rayservice.yaml's
+  `serveConfigV2` says (by `ray_app_driver.py`, as a RayService would), and
+  `lockgate serve --ray-address ADDRESS` attaching to them.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import urllib.request
 
 import openai
 import pytest
+import yaml
 
 from conftest import TINY_EXECUTOR, wait_for
 from lockgate.plugin_api.manager import get_plugin_manager
@@ -29,22 +35,26 @@ TESTS = pathlib.Path(__file__).parent
 EXECUTOR_FLAGS = [f"--{key.replace('_', '-')}={value}" for key, value in TINY_EXECUTOR.items()]
 
 
+MANIFEST = TESTS.parent / "deploy" / "kuberay-rayservice.yaml"
+ENV = {
+    **os.environ,
+    "LOCKGATE_PLUGINS": "poisoned_executor",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+    "RAY_AUTH_MODE": "disabled",
+}
+
+
 class RayServer:
-    def __init__(self, tiny_gguf, tmp_path, *flags: str) -> None:
+    def __init__(self, tiny_gguf, tmp_path, *flags: str, model: str = "tiny", ray_address: str = "local") -> None:
         self.port = free_port()
+        self.model = model
         self.log = open(tmp_path / f"serve-{self.port}.log", "w+")
-        env = {
-            **os.environ,
-            "LOCKGATE_PLUGINS": "poisoned_executor",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
-            "RAY_AUTH_MODE": "disabled",
-        }
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lockgate.server.cli", "serve", "--model", str(tiny_gguf),
-             "--served-model-name", "tiny", "--port", str(self.port), "--replicas", "2",
-             "--ray-address", "local", "--cpus-per-replica", "0.5", "--num-threads", "1",
+             "--served-model-name", model, "--port", str(self.port), "--replicas", "2",
+             "--ray-address", ray_address, "--cpus-per-replica", "0.5", "--num-threads", "1",
              *EXECUTOR_FLAGS, *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=self.log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True,
         )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 240
@@ -69,7 +79,7 @@ class RayServer:
 
     def replicas(self) -> dict[str, dict]:
         status, body = self.health()
-        return body.get("models", {}).get("tiny", {}).get("replicas", {}) if body else {}
+        return body.get("models", {}).get(self.model, {}).get("replicas", {}) if body else {}
 
     def _replicas_up(self, count: int) -> bool:
         return len(self.replicas()) >= count
@@ -96,12 +106,42 @@ def ray_server(tiny_gguf, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def small_ray_server(tiny_gguf, tmp_path_factory):
-    """One sequence and one waiting request per replica, the poisoned executor."""
-    server = RayServer(tiny_gguf, tmp_path_factory.mktemp("ray-small"),
-                       "--executor", "poisoned", "--max-num-seqs", "1", "--max-queue", "1")
-    yield server
-    server.stop()
+def attached_server(tiny_gguf, tmp_path_factory):
+    """The manifest's engine application with one sequence and one waiting
+    request per replica and the poisoned executor, and a front attached to it."""
+    tmp_path = tmp_path_factory.mktemp("ray-attached")
+    service = next(d for d in yaml.safe_load_all(MANIFEST.read_text()) if d["kind"] == "RayService")
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    overrides = {
+        "model": str(tiny_gguf), "target": "llvm", "gpus_per_replica": "0", "cpus_per_replica": "0.5",
+        "num_threads": "1", **{k: str(v) for k, v in TINY_EXECUTOR.items()},
+        "executor": "poisoned", "max_num_seqs": "1", "max_queue": "1",
+    }
+    driver_log = open(tmp_path / "driver.log", "w+")
+    driver = subprocess.Popen(
+        [sys.executable, str(TESTS / "ray_app_driver.py"), str(MANIFEST), json.dumps(overrides)],
+        stdout=subprocess.PIPE, stderr=driver_log, text=True, env=ENV, start_new_session=True)
+    try:
+        address = driver.stdout.readline().strip()
+        assert address, _tail(driver_log)
+        server = RayServer(tiny_gguf, tmp_path, "--executor", "poisoned", "--max-num-seqs", "1",
+                           "--max-queue", "1", model=args["served_model_name"], ray_address=address)
+        assert "attaching to the engine replicas" in server.output()
+        yield server
+        server.stop()
+    finally:
+        driver.send_signal(signal.SIGTERM)
+        try:
+            driver.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+        driver_log.close()
+
+
+def _tail(log) -> str:
+    log.seek(0)
+    return log.read()[-6000:]
 
 
 def prompts(count: int) -> list[str]:
@@ -185,24 +225,25 @@ async def test_client_disconnect_frees_the_remote_kv_pages(ray_server):
     await wait_for(pages_free, timeout=30, what="remote KV pages freed")
 
 
-async def test_over_long_prompt_is_400_streamed_or_not(small_ray_server):
-    remote = small_ray_server.client()
+async def test_over_long_prompt_is_400_streamed_or_not(attached_server):
+    remote = attached_server.client()
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as caught:
             await remote.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "lamp " * 3000}], max_tokens=4, stream=stream)
+                model=attached_server.model, messages=[{"role": "user", "content": "lamp " * 3000}],
+                max_tokens=4, stream=stream)
         assert caught.value.body["code"] == "context_length_exceeded"
         assert caught.value.body["param"] == "messages"
     await remote.close()
 
 
-async def test_every_replica_full_is_429_with_retry_after(small_ray_server):
-    remote = small_ray_server.client()
+async def test_every_replica_full_is_429_with_retry_after(attached_server):
+    remote = attached_server.client()
 
     async def one(i):
         try:
             reply = await remote.chat.completions.with_raw_response.create(
-                model="tiny", messages=[{"role": "user", "content": f"{i}"}], max_tokens=60,
+                model=attached_server.model, messages=[{"role": "user", "content": f"{i}"}], max_tokens=60,
                 extra_body={"ignore_eos": True})
             return reply.status_code, None
         except openai.RateLimitError as exc:
@@ -215,12 +256,12 @@ async def test_every_replica_full_is_429_with_retry_after(small_ray_server):
     assert any(status == 200 for status, _ in results), results
 
 
-async def test_mid_stream_fault_is_an_in_stream_error_as_locally(small_ray_server, load_tiny, make_openai):
+async def test_mid_stream_fault_is_an_in_stream_error_as_locally(attached_server, load_tiny, make_openai):
     import poisoned_executor
 
-    async def failed_stream(client):
+    async def failed_stream(client, model):
         stream = await client.completions.create(
-            model="tiny", prompt=[5, POISON, 9, 11], max_tokens=30, stream=True, extra_body={"ignore_eos": True})
+            model=model, prompt=[5, POISON, 9, 11], max_tokens=30, stream=True, extra_body={"ignore_eos": True})
         texts = []
         with pytest.raises(openai.APIError) as caught:
             async for chunk in stream:
@@ -229,11 +270,11 @@ async def test_mid_stream_fault_is_an_in_stream_error_as_locally(small_ray_serve
 
     pm = get_plugin_manager(autoload=False, plugins=[poisoned_executor])
     local = await make_openai(load_tiny(pm=pm, executor="poisoned"))
-    want_chunks, want = await failed_stream(local)
-    remote = small_ray_server.client()
-    got_chunks, got = await failed_stream(remote)
+    want_chunks, want = await failed_stream(local, "tiny")
+    remote = attached_server.client()
+    got_chunks, got = await failed_stream(remote, attached_server.model)
     # the replica is fine afterwards
-    reply = await remote.completions.create(model="tiny", prompt="lamps", max_tokens=3)
+    reply = await remote.completions.create(model=attached_server.model, prompt="lamps", max_tokens=3)
     await remote.close()
     assert got_chunks == want_chunks > 0
     assert (got.body or {}).get("type") == (want.body or {}).get("type")
@@ -247,22 +288,27 @@ async def test_a_replica_killed_mid_stream(ray_server):
     before = ray_server.replicas()
     assert len(before) == 2
 
-    async def long_stream(i):
-        stream = await remote.completions.with_raw_response.create(
+    async def open_stream(i):
+        response = await remote.completions.with_raw_response.create(
             model="tiny", prompt=f"{i} long", max_tokens=300, temperature=0, stream=True,
             extra_body={"ignore_eos": True})
-        replica = stream.headers["x-lockgate-replica"]
+        return response.headers["x-lockgate-replica"], response.parse()
+
+    async def read(replica, stream):
         count = 0
         try:
-            async for _ in stream.parse():
+            async for _ in stream:
                 count += 1
         except openai.APIError as exc:
             return replica, count, exc
         return replica, count, None
 
-    tasks = [asyncio.ensure_future(long_stream(i)) for i in range(6)]
-    await wait_for(lambda: all(f["requests_running"] for f in ray_server.replicas().values()),
-                   timeout=30, what="both replicas generating")
+    # streams until both replicas run some (the router picks by load, so soon)
+    opened = []
+    while len({replica for replica, _ in opened}) < 2:
+        assert len(opened) < 16, opened
+        opened.append(await open_stream(len(opened)))
+    tasks = [asyncio.ensure_future(read(replica, stream)) for replica, stream in opened]
     victim, victim_figures = sorted(ray_server.replicas().items())[0]
     killed_at = time.monotonic()
     os.kill(victim_figures["pid"], signal.SIGKILL)

@@ -234,6 +234,23 @@ def load_model(
     return source.serve_with(engine, backend)
 
 
+def load_model_from_settings(pm: pluggy.PluginManager, settings, progress=None) -> Model:
+    """`load_model` as `settings` (a `lockgate.settings.Settings`) say."""
+    chat_template = None
+    if settings.chat_template is not None:
+        chat_template = settings.chat_template.read_text()
+    return load_model(
+        pm,
+        settings.model,
+        executor=settings.executor,
+        served_name=settings.served_model_name,
+        chat_template=chat_template,
+        executor_options=settings.executor_options(progress=progress),
+        engine_options=settings.engine_options(),
+        tool_call_format=settings.tool_call_format,
+    )
+
+
 class ServedModels:
     """The models this server answers for, looked up by a request's `model`."""
 

@@ -13,18 +13,17 @@ replica (`replica.EngineReplica`) loads the model and runs the same
 * `engine` — the front's side (`RayEngine`, `RemoteRequestHandle`);
 * `routing` — prefix-affinity request router;
 * `board` — where replicas post their figures for `/health` and `/metrics`;
-* `deployment` — starting Ray and deploying the replicas.
+* `deployment` — starting Ray and deploying the replicas;
+* `app` — the replicas as an application for a KubeRay `RayService`.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pluggy
 
 from lockgate.models import Model, open_model
 
-__all__ = ["serve_on_ray"]
+__all__ = ["application_name", "serve_on_ray"]
 
 #: the Ray namespace of the replica boards
 NAMESPACE = "lockgate"
@@ -33,10 +32,15 @@ NAMESPACE = "lockgate"
 def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None) -> Model:
     """The model `settings` names, served by engine replicas on Ray Serve
     (`settings.replicas` of them, on the cluster at `settings.ray_address`).
-    Returns once every replica has loaded the model; `Model.close()` takes
-    them down."""
+    On a cluster that already runs the application `lockgate-<model name>`
+    (deployed by a KubeRay `RayService`, see `lockgate.plugins.ray.app`),
+    the front attaches to its replicas instead of deploying its own.
+    Returns once the replicas have loaded the model; `Model.close()` takes
+    down what this call deployed."""
     from lockgate.plugins.ray.board import ReplicaBoard
-    from lockgate.plugins.ray.deployment import RayCluster, ReplicaPlan, board_name, deploy, undeploy
+    from lockgate.plugins.ray.deployment import (
+        RayCluster, ReplicaPlan, board_name, deploy, running_application, undeploy,
+    )
     from lockgate.plugins.ray.engine import RayEngine
 
     plan = ReplicaPlan.from_settings(settings)
@@ -46,28 +50,33 @@ def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None) -> Model:
         tool_call_format=settings.tool_call_format, progress=progress,
     )
     source.metadata = None
+    app_name = application_name(source.name)
     cluster = RayCluster(settings.ray_address)
     ray = cluster.ray
+    deployment = None if settings.ray_address == "local" else running_application(app_name)
+    owned = deployment is None
     board = None
     try:
-        name = board_name()
-        board = ray.remote(ReplicaBoard).options(name=name, namespace=NAMESPACE, num_cpus=0).remote()
-        if progress:
-            progress(f"starting {plan.count or f'{plan.low}..{plan.high}'} engine replicas on Ray Serve")
-        # each replica serves its one engine in-process
-        replica_settings = dataclasses.replace(settings, replicas=None)
-        app_name = f"lockgate-{source.name}"
-        deployment = deploy(replica_settings, plan, app_name, name, NAMESPACE)
+        board = ray.remote(ReplicaBoard).options(
+            name=board_name(app_name), namespace=NAMESPACE, num_cpus=0, get_if_exists=True
+        ).remote()
+        if owned:
+            if progress:
+                progress(f"starting {plan.count or f'{plan.low}..{plan.high}'} engine replicas on Ray Serve")
+            deployment = deploy(settings, plan, app_name, board_name(app_name), NAMESPACE)
+        elif progress:
+            progress(f"attaching to the engine replicas of {app_name} on Ray Serve")
         description = deployment.describe.remote().result()
     except BaseException:
-        if board is not None:
+        if board is not None and owned:
             ray.kill(board)
         cluster.close()
         raise
 
     def close() -> None:
-        undeploy(app_name)
-        ray.kill(board)
+        if owned:
+            undeploy(app_name)
+            ray.kill(board)
         cluster.close()
 
     engine = RayEngine(
@@ -78,3 +87,8 @@ def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None) -> Model:
         on_close=close,
     )
     return source.serve_with(engine)
+
+
+def application_name(model_name: str) -> str:
+    """The Ray Serve application of the engine replicas serving `model_name`."""
+    return f"lockgate-{model_name}"

@@ -3,8 +3,8 @@ them down again."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import uuid
 from dataclasses import dataclass
 
 from lockgate.settings import InvalidSetting
@@ -63,7 +63,8 @@ class RayCluster:
             if os.environ.get("PYTHONPATH"):
                 env["PYTHONPATH"] = os.environ["PYTHONPATH"]
             ray.init(
-                address=None if address == "local" else address,
+                # "local" starts a cluster even where this machine runs another
+                address=address,
                 include_dashboard=False,
                 log_to_driver=False,
                 configure_logging=False,
@@ -75,14 +76,8 @@ class RayCluster:
             self.ray.shutdown()
 
 
-def deploy(settings, plan: ReplicaPlan, app_name: str, board_name: str, namespace: str):
-    """Deploy the engine replicas as a Ray Serve application and return
-    its `DeploymentHandle` once every replica has loaded the model."""
-    from ray import serve
-    from ray.serve.config import RequestRouterConfig
-
-    from lockgate.plugins.ray.replica import EngineReplica
-
+def deployment_options(settings, plan: ReplicaPlan) -> dict:
+    """The Ray Serve options of the engine deployment."""
     options = {
         "name": "engine",
         "ray_actor_options": {"num_cpus": settings.cpus_per_replica, "num_gpus": settings.gpus_per_replica},
@@ -104,14 +99,50 @@ def deploy(settings, plan: ReplicaPlan, app_name: str, board_name: str, namespac
     else:
         options["num_replicas"] = plan.count
     if settings.prefix_cache:
-        options["request_router_config"] = RequestRouterConfig(
-            request_router_class="lockgate.plugins.ray.routing:PrefixAffinityRouter",
-            request_router_kwargs={"imbalance": max(1, settings.max_num_seqs // 2)},
-        )
-    app = serve.deployment(EngineReplica).options(**options).bind(settings, board_name, namespace)
+        options["request_router_config"] = {
+            "request_router_class": "lockgate.plugins.ray.routing:PrefixAffinityRouter",
+            "request_router_kwargs": {"imbalance": max(1, settings.max_num_seqs // 2)},
+        }
+    return options
+
+
+def engine_application(settings, plan: ReplicaPlan, board: str, namespace: str):
+    """The Ray Serve application of the engine replicas (bound, not running)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from lockgate.plugins.ray.replica import EngineReplica
+
+    options = deployment_options(settings, plan)
+    if "request_router_config" in options:
+        options["request_router_config"] = RequestRouterConfig(**options["request_router_config"])
+    # each replica serves its one engine in-process
+    replica_settings = dataclasses.replace(settings, replicas=None)
+    return serve.deployment(EngineReplica).options(**options).bind(replica_settings, board, namespace)
+
+
+def deploy(settings, plan: ReplicaPlan, app_name: str, board: str, namespace: str):
+    """Deploy the engine replicas as the Ray Serve application `app_name`
+    and return its `DeploymentHandle` once every replica has loaded the model."""
+    from ray import serve
+
     # the front is the HTTP server: Ray Serve runs no proxy of its own
     serve.start(http_options={"location": "NoServer"})
-    return serve.run(app, name=app_name, route_prefix=None)
+    return serve.run(engine_application(settings, plan, board, namespace), name=app_name, route_prefix=None)
+
+
+def running_application(app_name: str):
+    """The handle of engine replicas someone else deployed as `app_name`
+    (a KubeRay `RayService`), or None when there is no such application."""
+    from ray import serve
+
+    try:
+        applications = serve.status().applications
+    except Exception:  # Serve is not running on this cluster
+        return None
+    if app_name not in applications:
+        return None
+    return serve.get_deployment_handle("engine", app_name=app_name)
 
 
 def undeploy(app_name: str) -> None:
@@ -123,6 +154,8 @@ def undeploy(app_name: str) -> None:
         pass
 
 
-def board_name() -> str:
-    return f"lockgate-board-{uuid.uuid4().hex[:12]}"
+def board_name(app_name: str) -> str:
+    """The replica board of application `app_name` (one per application,
+    so a front that attaches to replicas finds theirs)."""
+    return f"{app_name}-board"
 

@@ -25,6 +25,8 @@ log = structlog.get_logger("lockgate.ray")
 
 #: seconds `add` waits for a replica to admit or refuse the work
 ADMISSION_TIMEOUT = 120.0
+#: replicas tried for one request when the one chosen dies before answering
+ADMISSION_ATTEMPTS = 3
 
 
 class ReplicaLost(Unavailable):
@@ -139,18 +141,23 @@ class RayEngine:
     async def _submit(self, work: Work) -> "RemoteRequestHandle":
         from ray.serve.exceptions import BackPressureError
 
-        stream = self._deployment.options(stream=True).generate.remote(
-            to_wire(work, prefix_affinity=self._prefix_affinity)
-        )
-        try:
-            first = await stream.__anext__()
-        except BackPressureError:
-            raise Overloaded(
-                "every engine replica's queue is full; retry later", retry_after=self._retry_after
-            ) from None
-        except Exception as exc:
-            log.warning("no replica admitted the request", request_id=work.request_id, error=repr(exc))
-            raise Unavailable("no engine replica is serving", retry_after=self._retry_after) from None
+        remote = to_wire(work, prefix_affinity=self._prefix_affinity)
+        for attempt in range(ADMISSION_ATTEMPTS):
+            stream = self._deployment.options(stream=True).generate.remote(remote)
+            try:
+                first = await stream.__anext__()
+                break
+            except BackPressureError:
+                raise Overloaded(
+                    "every engine replica's queue is full; retry later", retry_after=self._retry_after
+                ) from None
+            except Exception as exc:
+                # the replica died before it answered (the router has not
+                # heard yet): nothing ran, so another replica may take it
+                log.warning("engine replica lost before admission", request_id=work.request_id,
+                            attempt=attempt + 1, error=repr(exc))
+        else:
+            raise Unavailable("no engine replica is serving", retry_after=self._retry_after)
         if isinstance(first, Failed):
             raise first.error
         assert isinstance(first, Admitted), first

@@ -54,15 +54,15 @@ class EngineReplica:
         from ray import serve
 
         from lockgate.logging import configure_logging
+        from lockgate.models import load_model_from_settings
         from lockgate.plugin_api.manager import get_plugin_manager
-        from lockgate.server.app import load_from_settings
 
         configure_logging(settings.log_format, settings.log_level)
         self.replica = serve.get_replica_context().replica_id.unique_id
         structlog.contextvars.bind_contextvars(replica=self.replica)
         loop = asyncio.get_running_loop()
         # compiling or loading the model takes seconds: off the replica's loop
-        self.model = await loop.run_in_executor(None, load_from_settings, get_plugin_manager(), settings)
+        self.model = await loop.run_in_executor(None, load_model_from_settings, get_plugin_manager(), settings)
         self.engine = self.model.engine
         self.recorder = EventRecorder()
         self.engine.observer = self.recorder
