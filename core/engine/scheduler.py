@@ -150,11 +150,18 @@ class Scheduler:
         tokens = state.prompt_array
         cached = self.cache.longest_prefix(tokens, len(tokens) - 1)
         have = 0 if cached is None else cached.length
+        limit = len(tokens) - 1
         for other in self.running:
             first = other.choices[0]
             if first.kv_len >= len(other.prompt_ids):
                 continue  # its prompt is in: a fork can share it now
-            common = common_prefix(other.prompt_array, tokens, len(tokens) - 1)
+            # it must share more than this many tokens: one comparison
+            # rules most out before the whole prompts are compared
+            need = max(have, first.kv_len, self.kv.page_size - 1)
+            held = other.prompt_array
+            if need >= min(limit, len(held)) or held[need] != tokens[need]:
+                continue
+            common = common_prefix(held, tokens, limit)
             if common >= self.kv.page_size and common > max(have, first.kv_len):
                 return True
         return False
