@@ -4,7 +4,8 @@ samples, applies the stop rules and streams results back to the event loop.
 It runs in its own thread. `Engine.add` is called from the pipeline's worker
 thread and raises typed errors when a request cannot be admitted, so the HTTP
 layer can still answer with a proper status. Results reach each request's
-`RequestHandle` through `loop.call_soon_threadsafe`, once per engine step.
+`RequestHandle` through `loop.call_soon_threadsafe`, at most once per engine
+step (steps the event loop has not caught up with share one hand-over).
 
 What to run each step is the `Scheduler`'s decision; which token comes next
 is the sampler's; when a choice ends is the `StopChecker`'s. This module ties
@@ -88,6 +89,10 @@ class Engine:
         self._cond = threading.Condition(threading.RLock())
         self._aborts: list[RequestHandle] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # results of steps not yet handed to the event loop (see `_deliver`)
+        self._outbox: Events = []
+        self._outbox_lock = threading.Lock()
+        self._handover_scheduled = False
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._exit_requested = False
@@ -115,6 +120,9 @@ class Engine:
         if self._thread is not None:
             raise RuntimeError("the engine is already running")
         self._loop = loop
+        with self._outbox_lock:  # what a closed loop never took is nobody's
+            self._outbox = []
+            self._handover_scheduled = False
         self._stopping = False
         self._kv_free_pages = self.executor.free_pages()
         self._thread = threading.Thread(target=self._run, name=f"lockgate-{self.name}", daemon=True)
@@ -462,14 +470,29 @@ class Engine:
             self._fail_all(Unavailable("the engine is unhealthy", retry_after=self.options.retry_after))
 
     def _deliver(self, events: Events) -> None:
+        """Hand a step's results to the handles, on the event loop.
+
+        Steps whose results the loop has not taken yet share its one
+        scheduled hand-over: a loop that falls behind takes several steps
+        at once, with one wake-up instead of one per step (each wake-up is
+        a write to the loop's self-pipe and a turn of the GIL)."""
         if not events or self._loop is None:
             return
-
-        def deliver() -> None:
-            for handle, item in events:
-                handle.put(item)
-
+        with self._outbox_lock:
+            self._outbox.extend(events)
+            if self._handover_scheduled:
+                return
+            self._handover_scheduled = True
         try:
-            self._loop.call_soon_threadsafe(deliver)
+            self._loop.call_soon_threadsafe(self._hand_over)
         except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+            with self._outbox_lock:
+                self._outbox.clear()
+                self._handover_scheduled = False
+
+    def _hand_over(self) -> None:
+        with self._outbox_lock:
+            events, self._outbox = self._outbox, []
+            self._handover_scheduled = False
+        for handle, item in events:
+            handle.put(item)
