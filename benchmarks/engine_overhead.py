@@ -68,9 +68,54 @@ def serve(args: argparse.Namespace) -> None:
     configure_logging(settings.log_format, settings.log_level)
     faulthandler.enable()
     app = create_app(settings, pm=get_plugin_manager(autoload=False, plugins=[ZeroCostExecutors()]))
-    # as `lockgate serve` runs it (lockgate.server.cli)
-    web.run_app(app, host=settings.host, port=settings.port, handler_cancellation=True, access_log=None,
-                shutdown_timeout=5, print=None)
+    loop_profile = None
+    if args.profile:
+        loop_profile = profile_engine_thread_and_start(pathlib.Path(args.profile))
+    try:
+        # as `lockgate serve` runs it (lockgate.server.cli)
+        web.run_app(app, host=settings.host, port=settings.port, handler_cancellation=True, access_log=None,
+                    shutdown_timeout=5, print=None)
+    finally:
+        if loop_profile is not None:
+            loop_profile.disable()
+            loop_profile.dump_stats(pathlib.Path(args.profile) / "event-loop.prof")
+
+
+def profile_engine_thread_and_start(folder: pathlib.Path):
+    """cProfile the engine thread (into `folder`/engine.prof when it stops)
+    and return a started profile of this, the event loop's, thread."""
+    import cProfile
+
+    from lockgate.engine.loop import Engine
+
+    run = Engine._run
+
+    def profiled(engine) -> None:
+        profile = cProfile.Profile()
+        profile.enable()
+        try:
+            run(engine)
+        finally:
+            profile.disable()
+            profile.dump_stats(folder / "engine.prof")
+
+    Engine._run = profiled
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
+
+
+def print_profiles(folder: pathlib.Path, lines: int) -> None:
+    import pstats
+
+    for name in ("event-loop", "engine", "client"):
+        path = folder / f"{name}.prof"
+        if not path.exists():
+            print(f"\n(no profile of the {name} thread)")
+            continue
+        print(f"\n--- {name} thread (cProfile, by own time; cProfile inflates small calls)")
+        stats = pstats.Stats(str(path))
+        stats.sort_stats("tottime").print_stats(lines)
 
 
 # ------------------------------------------------------------------ the client side
@@ -165,6 +210,9 @@ async def benchmark(args: argparse.Namespace) -> tuple[int, list[Level]]:
     port = load.free_port()
     command = [sys.executable, __file__, "--serve", "--model-path", model_path, "--port", str(port),
                "--max-num-seqs", str(max(args.levels))]
+    if args.profile:
+        pathlib.Path(args.profile).mkdir(parents=True, exist_ok=True)
+        command += ["--profile", str(args.profile)]
     launched = load.Launched("lockgate", command, port)
     levels: list[Level] = []
     try:
@@ -180,6 +228,12 @@ async def benchmark(args: argparse.Namespace) -> tuple[int, list[Level]]:
               f"SSE reader, no openai SDK; chat, greedy, ~{args.prompt_words}-word prompts, "
               f"max_tokens {args.max_tokens} (ignore_eos), zero-cost executor, tiny model", flush=True)
         await load.run_level(server, 1, prompts[: args.warmup], args)
+        client_profile = None
+        if args.profile:
+            import cProfile
+
+            client_profile = cProfile.Profile()
+            client_profile.enable()
         print(HEADER, flush=True)
         for _ in range(args.repeat):
             for concurrency in args.levels:
@@ -194,8 +248,13 @@ async def benchmark(args: argparse.Namespace) -> tuple[int, list[Level]]:
                 runs = [lv for lv in levels if lv.concurrency == concurrency]
                 median = sorted(runs, key=lambda lv: lv.tps)[len(runs) // 2]
                 print(row(median))
+        if client_profile is not None:
+            client_profile.disable()
+            client_profile.dump_stats(pathlib.Path(args.profile) / "client.prof")
     finally:
         launched.stop()
+    if args.profile:
+        print_profiles(pathlib.Path(args.profile), args.profile_lines)
     bad = sum(lv.wrong + lv.failed for lv in levels)
     return (1 if bad else 0), levels
 
@@ -213,6 +272,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests first (default 4)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--launch-timeout", type=float, default=120.0)
+    parser.add_argument("--profile", metavar="DIR",
+                        help="cProfile the server's event-loop and engine threads and this client into DIR "
+                             "and print where their time went (slows everything down)")
+    parser.add_argument("--profile-lines", type=int, default=25, help="functions per profile printed (default 25)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
