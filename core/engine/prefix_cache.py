@@ -27,6 +27,7 @@ that page) is still found. Block hashes alone could not find it.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
@@ -154,16 +155,52 @@ class PrefixMatch:
 class _Node:
     """A node of the cache's page tree: the entries that hold one run of
     whole pages, by the page after it (`children`) or by the fewer than a
-    page of tokens they end with (`tails`)."""
+    page of tokens they end with (`tails`).
 
-    __slots__ = ("children", "tails", "through")
+    `keys` holds the children's pages and the tails together, sorted: the
+    ones sharing the longest start with some tokens are next to where those
+    tokens would sort, so a node with thousands of them is searched by
+    bisection, not scanned.
+    """
+
+    __slots__ = ("children", "tails", "keys", "through")
 
     def __init__(self) -> None:
         self.children: dict[tuple[int, ...], _Node] = {}
-        #: entries that end here: seq_id -> their last (fewer than page_size) tokens
-        self.tails: dict[int, tuple[int, ...]] = {}
+        #: entries that end here, by their last (fewer than page_size) tokens
+        self.tails: dict[tuple[int, ...], int] = {}
+        self.keys: list[tuple[int, ...]] = []
         #: entries that hold this node's whole prefix, in the order they came
         self.through: dict[int, None] = {}
+
+    def holder(self, key: tuple[int, ...]) -> int:
+        """An entry that holds `key` after this node's prefix."""
+        child = self.children.get(key)
+        return next(iter(child.through)) if child is not None else self.tails[key]
+
+    def add_key(self, key: tuple[int, ...]) -> None:
+        bisect.insort(self.keys, key)
+
+    def remove_key(self, key: tuple[int, ...]) -> None:
+        del self.keys[bisect.bisect_left(self.keys, key)]
+
+    def longest_start(self, tokens: tuple[int, ...]) -> tuple[int, tuple[int, ...] | None]:
+        """The most leading tokens of `tokens` a key shares, and that key."""
+        keys = self.keys
+        at = bisect.bisect_left(keys, tokens)
+        best, best_key = 0, None
+        for key in keys[max(at - 1, 0) : at + 1]:
+            if (n := _shared(key, tokens)) > best:
+                best, best_key = n, key
+        return best, best_key
+
+    def key_starting_with(self, tokens: tuple[int, ...]) -> tuple[int, ...] | None:
+        """A key that begins with `tokens` (is it, or is longer), if any."""
+        keys = self.keys
+        at = bisect.bisect_left(keys, tokens)
+        if at < len(keys) and keys[at][: len(tokens)] == tokens:
+            return keys[at]
+        return None
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:
@@ -179,9 +216,9 @@ class PrefixCache:
     """Cached sequences, and the search for the longest prefix of a token list.
 
     Entries are indexed by a tree of whole pages, so a search follows one
-    path of it and compares tokens only where that path ends, however many
-    sequences the cache holds. No entry is a prefix of another: `insert`
-    drops the shorter one.
+    path of it and, where that path ends, bisects the sorted pages and tails
+    that go on from there, however many sequences the cache holds. No entry
+    is a prefix of another: `insert` drops the shorter one.
     """
 
     def __init__(self, page_size: int = 16) -> None:
@@ -222,17 +259,11 @@ class PrefixCache:
             node, depth = child, depth + 1
         if depth:
             best = PrefixMatch(next(iter(node.through)), depth * self.page_size)
-        rest = query[depth * self.page_size : (depth + 1) * self.page_size]
+        rest = tuple(query[depth * self.page_size : (depth + 1) * self.page_size])
         if rest:
-            extra, holder = 0, None
-            for page, child in node.children.items():
-                if (n := _shared(page, rest)) > extra:
-                    extra, holder = n, next(iter(child.through))
-            for seq_id, tail in node.tails.items():
-                if (n := _shared(tail, rest)) > extra:
-                    extra, holder = n, seq_id
-            if holder is not None:
-                best = PrefixMatch(holder, depth * self.page_size + extra)
+            extra, key = node.longest_start(rest)
+            if key is not None:
+                best = PrefixMatch(node.holder(key), depth * self.page_size + extra)
         cached = best
         held_query: np.ndarray | None = None
         for seq_id, held in running:
@@ -271,29 +302,34 @@ class PrefixCache:
             covering = None
             if not tail:
                 covering = next(iter(end.through), None)
-            else:
-                covering = next((s for s, t in end.tails.items() if t[: len(tail)] == tail), None)
-                if covering is None:
-                    covering = next(
-                        (next(iter(c.through)) for p, c in end.children.items() if p[: len(tail)] == tail), None
-                    )
+            elif (key := end.key_starting_with(tail)) is not None:
+                covering = end.holder(key)
             if covering is not None:
                 self._touch(self.entries[covering])
                 return [seq_id]
-        # cached sequences that are prefixes of this one end on its path
+        # a cached sequence that is a prefix of this one ends on its path,
+        # with a tail that begins the page there
         redundant = []
         for depth, node in enumerate(path):
-            segment = tuple(listed[depth * size : (depth + 1) * size])
-            for other, other_tail in node.tails.items():
-                if segment[: len(other_tail)] == other_tail:
+            if not node.tails:
+                continue
+            segment = listed[depth * size : (depth + 1) * size]
+            for length in range(len(segment) + 1):
+                other = node.tails.get(tuple(segment[:length]))
+                if other is not None:
                     redundant.append(other)
         for other in redundant:
             self.discard(other)
         node = self._root
         for page in self._pages(listed):
-            node = node.children.setdefault(page, _Node())
+            child = node.children.get(page)
+            if child is None:
+                child = node.children[page] = _Node()
+                node.add_key(page)
+            node = child
             node.through[seq_id] = None
-        node.tails[seq_id] = tail
+        node.tails[tail] = seq_id
+        node.add_key(tail)
         self.entries[seq_id] = CachedSequence(seq_id, held, next(self._clock))
         return redundant
 
@@ -303,13 +339,17 @@ class PrefixCache:
 
     def discard(self, seq_id: int) -> None:
         entry = self.entries.pop(seq_id)
+        listed = entry.tokens.tolist()
         node, path = self._root, []
-        for page in self._pages(entry.tokens.tolist()):
+        for page in self._pages(listed):
             path.append((node, page))
             node = node.children[page]
             del node.through[seq_id]
-        del node.tails[seq_id]
+        tail = tuple(listed[len(path) * self.page_size :])
+        del node.tails[tail]
+        node.remove_key(tail)
         for parent, page in reversed(path):  # prune the pages no entry holds any more
             if parent.children[page].through:
                 break
             del parent.children[page]
+            parent.remove_key(page)
