@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from conftest import wait_idle
+from lockgate import hookimpl
 from lockgate.plugin_api.manager import get_plugin_manager
 from zero_cost_executor import ZeroCostExecutors
 
@@ -76,3 +77,63 @@ def test_the_benchmark_run_small_checks_every_answer():
         concurrency, requests, tokens = int(row[0]), int(row[1]), int(row[2])
         assert requests == 8 and tokens == 8 * 24, row
         assert row[-2:] == ["0", "0"], row  # none wrong, none failed
+
+
+class IteratingHandle:
+    """A plugin's handle that can only be iterated (as a remote engine's
+    are): the stream reads it with a task, not by subscribing. With `fail_after`
+    it fails the request after that many deltas."""
+
+    def __init__(self, handle, fail_after=None):
+        self._handle, self._fail_after, self._seen = handle, fail_after, 0
+        self.n, self.usage, self.max_tokens = handle.n, handle.usage, handle.max_tokens
+
+    @property
+    def finished(self):
+        return self._handle.finished
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._fail_after is not None and self._seen == self._fail_after:
+            from lockgate.errors import InternalError
+
+            raise InternalError("the remote engine failed")
+        self._seen += 1
+        return await self._handle.__anext__()
+
+    def abort(self):
+        self._handle.abort()
+
+
+class IteratingHandles:
+    def __init__(self, fail_after=None):
+        self.fail_after = fail_after
+
+    @hookimpl
+    def lockgate_enqueue(self, work, engine):
+        return IteratingHandle(engine.add(work), self.fail_after)
+
+
+async def test_handles_that_can_only_be_iterated_stream_the_same(load_tiny, tiny_gguf, make_client):
+    pm = get_plugin_manager(autoload=False, plugins=[ZeroCostExecutors()])
+    model = load_tiny(pm=pm, executor="zero-cost", executor_options={"max_num_seqs": 16})
+    prompt = "prompt about the sea"
+    expected = engine_overhead.expected_texts(str(tiny_gguf), [prompt], 30)[prompt]
+    body = {"model": "tiny", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "n": 3,
+            "messages": [{"role": "user", "content": prompt}], "stream_options": {"include_usage": True}}
+    plugin = IteratingHandles()
+    client = await make_client(model, plugins=[plugin])
+    texts, finish, usage = await _stream(client, body)
+    assert texts == {0: expected, 1: expected, 2: expected} and set(finish.values()) == {"length"}
+    assert usage["completion_tokens"] == 90
+    # a failure after the stream began travels inside it, after what came before
+    plugin.fail_after = 5
+    response = await client.post("/v1/chat/completions", json={**body, "n": 1, "stream": True})
+    events = [line for line in (await response.text()).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"error"' in events[-2]
+    streamed = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or ""
+                       for e in events[:-2] if json.loads(e[6:]).get("choices"))
+    assert expected.startswith(streamed) and streamed
+    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
