@@ -89,43 +89,51 @@ def test_deployment_options():
     assert "request_router_config" not in options  # no cache, nothing to be near: Ray's default router
 
 
-def _router(queue_lengths: dict[str, int | None], max_ongoing: int = 10) -> PrefixAffinityRouter:
+def _router(names: str, max_ongoing: int = 10) -> PrefixAffinityRouter:
     router = object.__new__(PrefixAffinityRouter)
     router.initialize_state(imbalance=3)
-    router._replica_queue_len_cache = types.SimpleNamespace(get=lambda replica_id: queue_lengths.get(replica_id))
-    router.replicas = [types.SimpleNamespace(replica_id=name, max_ongoing_requests=max_ongoing)
-                       for name in queue_lengths]
+    router.replicas = [types.SimpleNamespace(replica_id=name, max_ongoing_requests=max_ongoing) for name in names]
     return router
+
+
+_ids = iter(range(10**6))
 
 
 def _pending(hashes):
     work = RemoteWork(Work("r", [1], SamplingParams()), None, tuple(hashes))
-    return types.SimpleNamespace(args=[work])
+    return types.SimpleNamespace(args=[work], metadata=types.SimpleNamespace(internal_request_id=str(next(_ids))))
+
+
+def _send(router, hashes, replica) -> str:
+    pending = _pending(hashes)
+    router.on_request_routed(pending, replica, None)
+    return pending.metadata.internal_request_id
 
 
 async def test_router_prefers_the_replica_of_the_longest_known_prefix():
-    router = _router({"a": 0, "b": 0, "c": 0})
+    router = _router("abc")
     a, b, c = router.replicas
-    router.on_request_routed(_pending([1, 2, 3]), "b", None)
-    router.on_request_routed(_pending([1, 2]), "c", None)  # c has the shorter prefix [1, 2] last
+    _send(router, [1, 2, 3], "b")
+    _send(router, [1, 2], "c")  # c was sent the prefix [1, 2] last
     ranks = await router.choose_replicas(router.replicas, _pending([1, 2, 3, 4]))
     assert ranks[0] == [b] and len(ranks) == 2  # b, then the load-based fallback
     ranks = await router.choose_replicas(router.replicas, _pending([1, 2, 9]))
-    assert ranks[0] == [c]  # only [1, 2] is shared, and c routed it last
-    ranks = await router.choose_replicas(router.replicas, _pending([5]))
-    assert len(ranks) == 1 and set(r.replica_id for r in ranks[0]) <= {"a", "b", "c"}  # unknown: by load
+    assert ranks[0] == [c]  # only [1, 2] is shared, and c was sent it last
+    for unknown in ([5], [1, 7, 8, 9, 10]):  # nothing known; a shared start under half the prompt
+        ranks = await router.choose_replicas(router.replicas, _pending(unknown))
+        assert len(ranks) == 1 and {r.replica_id for r in ranks[0]} <= {"a", "b", "c"}
 
 
 async def test_router_leaves_a_busy_or_gone_replica_to_load_balancing():
-    router = _router({"a": 0, "b": 9})
+    router = _router("ab")
     a, b = router.replicas
-    router.on_request_routed(_pending([1, 2]), "b", None)
-    assert len(await router.choose_replicas(router.replicas, _pending([1, 2]))) == 1  # 9 - 0 > imbalance 3
-    router = _router({"a": 0, "b": 3})
-    router.on_request_routed(_pending([1, 2]), "b", None)
-    assert (await router.choose_replicas(router.replicas, _pending([1, 2])))[0] == [router.replicas[1]]
-    # b gone from the candidates
-    assert len(await router.choose_replicas([router.replicas[0]], _pending([1, 2]))) == 1
+    sent = [_send(router, [1, 2], "b") for _ in range(4)]  # b runs 4, a none: 4 > imbalance 3
+    assert len(await router.choose_replicas(router.replicas, _pending([1, 2]))) == 1
+    router.on_request_completed("b", sent.pop())  # 3 ongoing: near enough
+    assert (await router.choose_replicas(router.replicas, _pending([1, 2])))[0] == [b]
+    router.on_request_completed("a", "never routed")  # a refused request changes nothing
+    assert (await router.choose_replicas(router.replicas, _pending([1, 2])))[0] == [b]
+    assert len(await router.choose_replicas([a], _pending([1, 2]))) == 1  # b gone
 
 
 def test_named_plugin_modules_are_registered(monkeypatch):

@@ -168,12 +168,16 @@ async def test_two_replicas_answer_as_one_local_engine(ray_server, tiny_model, m
     assert [text for text, _ in got] == [text for text, _ in expected]
     served_by = {replica for _, replica in got}
     assert served_by <= set(ray_server.replicas()) and len(served_by) == 2, served_by
-    # the per-replica gauges and the summed ones
-    with urllib.request.urlopen(ray_server.url + "/metrics") as response:
-        metrics = response.read().decode()
+    # the per-replica gauges, and the replicas' events in the front's
+    # counters (posted twice a second)
+    def metrics():
+        with urllib.request.urlopen(ray_server.url + "/metrics") as response:
+            text = response.read().decode()
+        return text if 'lockgate_generation_tokens_total{model="tiny"}' in text else None
+
+    text = await wait_for(metrics, timeout=10, what="the replicas' counters")
     for replica in served_by:
-        assert f'lockgate_replica_kv_pages_total{{model="tiny",replica="{replica}"}}' in metrics
-    assert 'lockgate_generation_tokens_total{model="tiny"}' in metrics
+        assert f'lockgate_replica_kv_pages_total{{model="tiny",replica="{replica}"}}' in text
 
 
 async def test_structured_output_n_and_logprobs_across_the_wire(ray_server, tiny_model, make_openai):
