@@ -196,6 +196,23 @@ async def test_structured_output_n_and_logprobs_across_the_wire(ray_server, tiny
     assert isinstance(json.loads(got.choices[0].message.content)["a"], bool)
 
 
+async def test_tool_calls_across_the_wire(ray_server, tiny_model, make_openai):
+    tool = {"type": "function", "function": {
+        "name": "lamp", "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}},
+                                       "required": ["on"]}}}
+    params = dict(model="tiny", messages=[{"role": "user", "content": "switch it"}], tools=[tool],
+                  tool_choice="required", max_tokens=60, temperature=0)
+    local = await make_openai(tiny_model)
+    remote = ray_server.client()
+    want = await local.chat.completions.create(**params)
+    got = await remote.chat.completions.create(**params)
+    await remote.close()
+    calls = got.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "lamp"
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in want.choices[0].message.tool_calls]
+
+
 async def test_prefix_affinity_keeps_a_shared_prompt_on_one_replica(ray_server):
     system = "You answer about lamps. " * 12
     remote = ray_server.client()
