@@ -271,7 +271,7 @@ def test_cross_compiles_for_sm90_without_fallback(monkeypatch, tmp_path):
     executable.export_library(str(library))
     blob = library.read_bytes()
     kernels = set(re.findall(rb'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)', blob))
-    for name in (b"mask", b"apply_entries", b"argmax", b"mass", b"draw", b"keep", b"kept", b"top_logprob"):
+    for name in (b"mask", b"apply_entries", b"argmax", b"mass", b"draw", b"keep", b"kept", b"top_logprob", b"take"):
         assert any(k.startswith(name) for k in kernels), (name, kernels)
     assert any(b"sort" in k for k in kernels), kernels
     assert any(b"cumsum" in k or b"scan" in k for k in kernels), kernels

@@ -27,6 +27,9 @@ vocabulary `V`:
 * `logprobs(logits, tokens)` → the chosen tokens' log-probabilities and the
   `MAX_TOP_LOGPROBS` best tokens with theirs, under the model's own
   distribution (the raw logits), as OpenAI reports them.
+* `gather(logits, index)` → rows `index` of `[held, V]` logits, in that
+  order (repeats allowed): the rows the engine samples, taken out of what
+  the forward pass left on the device (`DeviceSampler.rows`).
 
 How a token is chosen (the host's `_draw`, step by step; every comparison
 the host makes is made on the same values, so the same uniform gives the
@@ -55,13 +58,12 @@ order on a GPU (and `exp` may differ in the last bit between numpy and the
 device's libm), so two paths can disagree only when the uniform lands within
 about 1e-16 of a boundary between two tokens' cumulative masses.
 
-Integration (proposed, not wired): an optional
-`Executor.decode_sampled(seq_ids, token_ids, rows)` /
-`prefill_sampled(...)` whose default calls `decode`/`prefill` and
-`sample_batch`, and which the TVM executor implements by handing its
-logits tensor to a `DeviceSampler` before anything is copied to the host;
-`loop.py`'s `_run_decode`/`_sample` would build the `SamplingRow`s before
-the forward pass instead of after it.
+Integration: `Executor.sample(logits, rows)` chooses the tokens from the
+logits `prefill`/`decode` returned (the host sampler by default). With
+device sampling on, the TVM executor returns a `DeviceLogits` (the logits
+tensor left on the device and a host-side row index the engine's row
+selection composes into) and its `sample` runs `DeviceSampler.sample_batch`
+on `DeviceSampler.rows` of it.
 """
 
 from __future__ import annotations
@@ -420,6 +422,18 @@ def sampler_module(vocab: int, gpu: bool) -> tvm.IRModule:
                 )
             bb.emit_func_output(out)
 
+    # the rows the engine samples from, in its order (repeats allowed: the
+    # choices of one request share its prompt's row), gathered on the device;
+    # "clip" because TVM's default "fast" reads out of bounds on a bad index
+    # (and warns so at every build); the host checks the index anyway
+    held = tirx.Var("held", "int64")
+    logits = tensor("logits", (held, vocab), "float32")
+    index = tensor("index", (batch,), "int32")
+    with bb.function("gather", [logits, index]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.take(logits, index, axis=0, mode="clip")))
+        bb.emit_func_output(out)
+
     logits = tensor("logits", (batch, vocab), "float32")
     chosen = tensor("chosen", (batch,), "int32")
     with bb.function("logprobs", [logits, chosen]):
@@ -618,10 +632,29 @@ class DeviceSampler:
         self._sample = self._vm["sample"]
         self._sample_sorted = self._vm["sample_sorted"]
         self._logprobs = self._vm["logprobs"]
+        self._gather = self._vm["gather"]
         self._words = (self.vocab + 31) // 32
 
     def _put(self, array: np.ndarray, dtype) -> object:
         return tvm.runtime.tensor(np.ascontiguousarray(array, dtype=dtype), self.device)
+
+    def rows(self, logits, index: np.ndarray):
+        """Rows `index` of the `[held, vocab]` device tensor `logits`, in
+        that order: the tensor itself when `index` is all of its rows in
+        order, a view of its first rows when it is a prefix (padding rows
+        dropped), else gathered on the device. The result may share
+        `logits`'s memory, so it is valid while `logits` is."""
+        index = np.asarray(index, dtype=np.int64)
+        if index.ndim != 1 or not index.size:
+            raise ValueError(f"a row index is a non-empty flat sequence, got shape {index.shape}")
+        held = int(logits.shape[0])
+        if int(index.min()) < 0 or int(index.max()) >= held:
+            raise IndexError(f"row index out of range for {held} rows")
+        if (index == np.arange(index.size)).all():
+            if index.size == held:
+                return logits
+            return logits._create_view((index.size, self.vocab))
+        return self._gather(logits, self._put(index, np.int32))
 
     def sample_batch(self, logits, rows: Sequence[SamplingRow]) -> tuple[np.ndarray, list[TokenLogprob | None]]:
         """Like `lockgate.engine.sampling.sample_batch`; `logits` is a
