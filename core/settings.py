@@ -45,8 +45,10 @@ class Setting:
 
     `type` is the value's type (`int`, `float`, `str`, `Path` or `bool`; the
     item type when `is_list`). A `bool` setting is an on/off flag
-    (`--name` / `--no-name`); a list is given comma separated and held as a
-    tuple. `help` is markdown (backticks are dropped for `--help`).
+    (`--name` / `--no-name`; a None default means automatic until a flag or
+    variable says on or off, its `default_text` saying what that is); a
+    list is given comma separated and held as a tuple. `help` is markdown
+    (backticks are dropped for `--help`).
     """
 
     name: str
@@ -175,6 +177,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cpus_per_replica", float, 1.0,
             "CPUs Ray reserves for each replica (its executor threads are `--num-threads`)"),
     Setting("num_threads", int, None, "CPU threads for the executor", default_text="all cores"),
+    Setting("device_sampling", bool, None,
+            "choose tokens where the logits are, so only token ids (and requested logprobs) cross to the "
+            "host; `--no-device-sampling` samples on the host with numpy",
+            default_text="on for CUDA, off for llvm (numpy is faster on the CPU)"),
     Setting("cache_dir", Path, None, "where compiled models are cached",
             default_text="`~/.cache/lockgate`", metavar="DIR"),
     Setting("shutdown_grace", float, 30.0, "seconds in-flight requests get after SIGTERM"),

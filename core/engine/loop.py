@@ -26,7 +26,7 @@ import structlog
 
 from lockgate.engine.handle import END, EngineObserver, RequestHandle
 from lockgate.engine.options import EngineOptions
-from lockgate.engine.sampling import SamplingRow, sample_batch
+from lockgate.engine.sampling import SamplingRow
 from lockgate.engine.scheduler import Scheduler
 from lockgate.engine.state import Choice, RequestState
 from lockgate.engine.stop import StopChecker
@@ -346,6 +346,8 @@ class Engine:
 
     def _sample(self, choices: list[Choice], logits: np.ndarray, events: Events) -> None:
         """Sample the next token of each choice and apply the stop rules.
+        `logits` is what the executor returned, rows selected; its own
+        `sample` chooses the tokens (on the device, for logits left there).
 
         A failure tied to one request (its grammar, its detokenization) fails
         that request alone.
@@ -374,7 +376,7 @@ class Engine:
             return
         if len(logit_rows) < len(logits):
             logits = logits[logit_rows]
-        tokens, logprobs = sample_batch(logits, rows)
+        tokens, logprobs = self.executor.sample(logits, rows)
         now = time.monotonic()
         for choice, token, logprob in zip(sampled, tokens.tolist(), logprobs):
             state = choice.request

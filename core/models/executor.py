@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lockgate.engine.sampling import SamplingRow, TokenLogprob, sample_batch
 from lockgate.models.config import LlamaConfig
 from lockgate.models.gguf_metadata import GGUFMetadata
 from lockgate.settings import setting_default
@@ -38,6 +39,10 @@ class ExecutorOptions:
     cache_dir: Path | None = setting_default("cache_dir")
     #: CPU threads for the llvm target; None lets the runtime decide
     num_threads: int | None = setting_default("num_threads")
+    #: choose tokens where the logits are (`Executor.sample`), so only token
+    #: ids and requested logprobs cross to the host; None: on for cuda, off
+    #: for llvm (numpy samples faster on the CPU)
+    device_sampling: bool | None = setting_default("device_sampling")
     #: called with one-line progress messages while compiling and loading
     progress: Callable[[str], None] | None = None
 
@@ -58,7 +63,12 @@ class Executor(abc.ABC):
     """Forward passes over a paged KV cache.
 
     Sequence ids are chosen by the caller, unique among live sequences.
-    Logits come back as float32 numpy arrays of shape (rows, vocab_size).
+    Logits come back as float32 numpy arrays of shape (rows, vocab_size),
+    or as an object standing for them that the executor's own `sample`
+    understands (the TVM executor's `DeviceLogits`, left on the GPU); the
+    engine only takes `len(logits)`, `logits.shape` and rows
+    `logits[list_of_row_indices]` (repeats allowed) of them, and hands the
+    rows to `sample` before the next `prefill` or `decode`.
     Methods are called from one thread (the engine's) at a time.
     """
 
@@ -105,6 +115,16 @@ class Executor(abc.ABC):
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         """Append one token to each sequence (at most `max_num_seqs`) and
         return the next-token logits, shape (len(seq_ids), vocab_size)."""
+
+    def sample(self, logits, rows: Sequence[SamplingRow]) -> tuple[np.ndarray, list[TokenLogprob | None]]:
+        """Choose each row's next token from `logits` as `prefill`/`decode`
+        returned them, after the engine selected rows from them with
+        `logits[row_indices]`: row `i` of `logits` for `rows[i]`. Returns
+        what `lockgate.engine.sampling.sample_batch` returns (the token ids,
+        and each row's `TokenLogprob` when its parameters ask for logprobs).
+        The default is that host sampler; an executor whose logits stay on
+        its device overrides it to sample there."""
+        return sample_batch(logits, rows)
 
     @abc.abstractmethod
     def free_pages(self) -> int:

@@ -150,7 +150,9 @@ def lockgate_register_executors(
 
     :param register: call `register(name, factory)`; `factory(model_file,
         options)` returns an `Executor` (prefill, decode, sequences over a
-        paged KV cache). `--executor` chooses one by name.
+        paged KV cache; `sample`, whose default is the host sampler, for an
+        executor that chooses tokens where its logits are). `--executor`
+        chooses one by name.
     :returns: nothing; the return value is ignored.
     :raises: `lockgate.errors.ModelLoadError` to stop start-up with a message.
 
