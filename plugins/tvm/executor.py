@@ -174,6 +174,20 @@ class TVMExecutor(Executor):
         self.vocab_size = config.vocab_size
         self._lengths: dict[int, int] = {}
         self._closed = False
+        # device sampling: the logits stay where they are and `sample` runs
+        # the sampler's kernels on them; off (None), logits come back as numpy
+        self._sampler = None
+        if cuda if options.device_sampling is None else options.device_sampling:
+            from lockgate.plugins.tvm.compile import default_cache_dir
+            from lockgate.plugins.tvm.sampling import DeviceSampler
+
+            self._progress("loading the sampler…")
+            self._sampler = DeviceSampler(
+                self.vocab_size,
+                target,
+                self.device,
+                options.cache_dir if options.cache_dir is not None else default_cache_dir(),
+            )
         self._progress("model ready")
 
     # sequences
@@ -251,6 +265,8 @@ class TVMExecutor(Executor):
         logits = self._forward(
             ids, lengths, lambda: self._prefill(embeds.tensor, self._to_device(positions), self._kv, self._params)
         )
+        if self._sampler is not None:
+            return self._on_device(logits, len(ids))
         return logits.reshape(len(ids), self.vocab_size)
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
@@ -271,6 +287,8 @@ class TVMExecutor(Executor):
             logits = self._forward(
                 ids, lengths, lambda: self._prefill(embeds.tensor, positions, self._kv, self._params)
             )
+            if self._sampler is not None:
+                return self._on_device(logits, n)
             return logits.reshape(n, self.vocab_size)
         pad = (bucket - n) if self._buckets else 0
         pad_ids = [_PAD_ID_BASE + i for i in range(pad)]
@@ -289,7 +307,21 @@ class TVMExecutor(Executor):
         finally:
             for pad_id in pad_ids:
                 self._remove_seq(self._kv, pad_id)
+        if self._sampler is not None:
+            # the padding rows are left out of the index
+            return self._on_device(logits, n)
         return logits[:n].reshape(n, self.vocab_size)
+
+    def sample(self, logits, rows):
+        """The device sampler on `DeviceLogits` (its rows gathered on the
+        device); numpy logits go to the host sampler."""
+        if not isinstance(logits, DeviceLogits):
+            return super().sample(logits, rows)
+        if self._sampler is None:
+            raise RuntimeError("DeviceLogits given to an executor without device sampling")
+        if len(logits) != len(rows):
+            logits = logits[: len(rows)]
+        return self._sampler.sample_batch(self._sampler.rows(logits.tensor, logits.index), rows)
 
     def close(self) -> None:
         if self._closed:
@@ -299,13 +331,15 @@ class TVMExecutor(Executor):
         self._params = None
         self._embed = self._prefill = self._decode = self._decode_one = None
         self._vm = None
+        self._sampler = None
         self._lengths.clear()
 
     # helpers
 
-    def _forward(self, ids: list[int], lengths: list[int], run, keep: int | None = None) -> np.ndarray:
+    def _forward(self, ids: list[int], lengths: list[int], run, keep: int | None = None):
         """Run one step over `ids`; only the first `keep` (default all) are
-        the caller's sequences, the rest padding."""
+        the caller's sequences, the rest padding. The logits as a host
+        array, or the device tensor itself with device sampling on."""
         self._begin(self._kv, self._Shape(ids), self._Shape(lengths))
         for seq_id, n in list(zip(ids, lengths))[:keep]:
             self._lengths[seq_id] += n
@@ -314,7 +348,16 @@ class TVMExecutor(Executor):
         finally:
             self._end(self._kv)
         logits = out[0] if not hasattr(out, "numpy") else out
+        if self._sampler is not None:
+            return logits
         return np.asarray(logits.numpy(), dtype=np.float32)
+
+    def _on_device(self, tensor, n: int) -> "DeviceLogits":
+        """The first `n` rows of the `[..., vocab]` logits `tensor`, left
+        on the device."""
+        held = math.prod(int(d) for d in tensor.shape) // self.vocab_size
+        view = tensor if len(tensor.shape) == 2 else tensor._create_view((held, self.vocab_size))
+        return DeviceLogits(tensor, view, np.arange(n, dtype=np.int64))
 
     def _embed_tokens(self, tokens: np.ndarray) -> "_View":
         out = self._embed(self._to_device(tokens), self._params)
@@ -375,6 +418,57 @@ class TVMExecutor(Executor):
         free = self.free_pages()
         if needed > free:
             raise ValueError(f"{needed} KV pages needed but only {free} are free")
+
+
+class DeviceLogits:
+    """Logits a forward pass left on the device, and which of its rows they
+    are: `index[i]` is the tensor row of logits row `i` (rows may repeat:
+    the choices of one request share its prompt's row; the padding rows of
+    a CUDA-graph bucket are in no index).
+
+    It answers what the engine asks of logits: `len()`, `.shape` and
+    `logits[row_indices]`, which composes the index and copies nothing.
+    `numpy()` (or `np.asarray`) copies the rows to the host. Valid until
+    the executor's next `prefill` or `decode`, which may reuse the memory.
+    """
+
+    __slots__ = ("base", "tensor", "index")
+
+    dtype = np.dtype(np.float32)
+    ndim = 2
+
+    def __init__(self, base, tensor, index: np.ndarray) -> None:
+        #: the forward pass's output, kept alive for `tensor`, a view of it
+        self.base = base
+        #: `[held, vocab]` on the device
+        self.tensor = tensor
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.index), int(self.tensor.shape[1]))
+
+    def __getitem__(self, rows) -> "DeviceLogits":
+        if isinstance(rows, (int, np.integer)) or isinstance(rows, tuple):
+            raise TypeError("DeviceLogits takes a list of row indices or a slice; use numpy() for one row")
+        index = self.index[rows if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)]
+        if index.ndim != 1:
+            raise TypeError("DeviceLogits takes a flat list of row indices")
+        return DeviceLogits(self.base, self.tensor, index)
+
+    def numpy(self) -> np.ndarray:
+        """The rows on the host, `(len(self), vocab)` float32."""
+        return np.asarray(self.tensor.numpy(), dtype=np.float32)[self.index]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"DeviceLogits(shape={self.shape}, held={int(self.tensor.shape[0])}, device={self.tensor.device})"
 
 
 class _View:
