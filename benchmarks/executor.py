@@ -120,6 +120,10 @@ class LockgateRunner:
             cache_dir=cache_dir,
             num_threads=threads,
             progress=progress,
+            # logits to the host as numpy, as llama.cpp's side gives them and
+            # the figures recorded so far measured (CUDA would keep them on
+            # the device for its sampler otherwise)
+            device_sampling=False,
             **{key: value for key, value in given.items() if value is not None},
         )
         self.executor = create_executor(ModelFile(path, config), options)

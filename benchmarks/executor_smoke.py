@@ -55,6 +55,7 @@ def main() -> None:
         cache_dir=args.cache_dir,
         num_threads=args.threads,
         progress=lambda msg: print(f"  [{msg}]", flush=True),
+        device_sampling=False,  # numpy logits: the script takes their argmax
     )
     started = time.perf_counter()
     ex = create_executor(ModelFile(path, config), options)

@@ -198,8 +198,10 @@ def test_device_logits_index_lazily_and_copy_on_request(sequences):
     np.testing.assert_array_equal(picked[[3, 1]].numpy(), want[[1, 0]])
     np.testing.assert_array_equal(picked[1:3].numpy(), want[[0, 0]])
     np.testing.assert_array_equal(got[np.array([1])].numpy(), want[[1]])
+    np.testing.assert_array_equal(picked[0], want[2])  # one row: on the host
+    np.testing.assert_array_equal(picked[-1], want[1])
     with pytest.raises(TypeError):
-        got[0]
+        got[0, 1]
     with pytest.raises(IndexError):
         got[[3]]
 

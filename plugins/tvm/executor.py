@@ -427,8 +427,9 @@ class DeviceLogits:
     a CUDA-graph bucket are in no index).
 
     It answers what the engine asks of logits: `len()`, `.shape` and
-    `logits[row_indices]`, which composes the index and copies nothing.
-    `numpy()` (or `np.asarray`) copies the rows to the host. Valid until
+    `logits[row_indices]` (a list, array or slice), which composes the index
+    and copies nothing. `numpy()` (or `np.asarray`) copies the rows to the
+    host, and `logits[i]` row `i`, for tests and other readers. Valid until
     the executor's next `prefill` or `decode`, which may reuse the memory.
     """
 
@@ -451,9 +452,13 @@ class DeviceLogits:
     def shape(self) -> tuple[int, int]:
         return (len(self.index), int(self.tensor.shape[1]))
 
-    def __getitem__(self, rows) -> "DeviceLogits":
-        if isinstance(rows, (int, np.integer)) or isinstance(rows, tuple):
-            raise TypeError("DeviceLogits takes a list of row indices or a slice; use numpy() for one row")
+    def __getitem__(self, rows):
+        if isinstance(rows, (int, np.integer)):
+            # one row, on the host (numpy's `logits[i]`)
+            row = int(self.index[rows])
+            return np.asarray(self.tensor._create_view((row + 1, self.shape[1])).numpy()[row], dtype=np.float32)
+        if isinstance(rows, tuple):
+            raise TypeError("DeviceLogits takes row indices (an int, a list or a slice); use numpy() for more")
         index = self.index[rows if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)]
         if index.ndim != 1:
             raise TypeError("DeviceLogits takes a flat list of row indices")
