@@ -502,23 +502,32 @@ def _relax_pipeline(name: str, *, fuse: list, schedule, free_early: list, graphs
                 relax.transform.FuseTIR(),
                 relax.transform.DeadCodeElimination(),
                 schedule,
-                relax.transform.RewriteDataflowReshape(),
-                relax.transform.ToNonDataflow(),
-                relax.transform.RemovePurityChecking(),
-                relax.transform.CallTIRRewrite(),
-                relax.transform.StaticPlanBlockMemory(),
-                *graphs,
-                relax.transform.LowerAllocTensor(),
-                *free_early,
-                relax.transform.LowerRuntimeBuiltin(),
-                relax.transform.ComputePrimValue(),
-                relax.transform.VMShapeLower(),
-                relax.transform.AttachGlobalSymbol(),
+                *vm_lowering(graphs=graphs, free_early=free_early),
             ]
         )
         return seq(mod)
 
     return _pipeline
+
+
+def vm_lowering(*, graphs=(), free_early=()) -> list:
+    """The passes from scheduled TIR to what the relax VM runs, shared by
+    the model's pipelines and the sampler's: `graphs` run right after
+    memory planning, `free_early` between allocation and builtin lowering."""
+    return [
+        relax.transform.RewriteDataflowReshape(),
+        relax.transform.ToNonDataflow(),
+        relax.transform.RemovePurityChecking(),
+        relax.transform.CallTIRRewrite(),
+        relax.transform.StaticPlanBlockMemory(),
+        *graphs,
+        relax.transform.LowerAllocTensor(),
+        *free_early,
+        relax.transform.LowerRuntimeBuiltin(),
+        relax.transform.ComputePrimValue(),
+        relax.transform.VMShapeLower(),
+        relax.transform.AttachGlobalSymbol(),
+    ]
 
 
 def cpu_pipeline() -> tvm.transform.Pass:

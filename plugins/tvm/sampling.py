@@ -84,6 +84,7 @@ from tvm.s_tir.dlight.base import ScheduleRule, try_inline_contiguous_spatial
 from tvm.target import Target
 
 from lockgate.engine.sampling import SamplingRow, TokenLogprob
+from lockgate.plugins.tvm.compile import GPUInjective, vm_lowering
 
 #: the most alternatives one token's logprobs may list (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
@@ -506,35 +507,11 @@ class _GPURowReduction(ScheduleRule):
         return sch
 
 
-class _GPUInjective(ScheduleRule):
-    """One thread per element of an injective kernel: the spatial loops
-    fused, split over blocks of `_GPU_THREADS` threads."""
-
-    def apply(self, func, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
-            return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        infos = try_inline_contiguous_spatial(sch, infos)
-        if infos is None or len(infos) != 1 or not infos[0].is_injective():
-            return None
-        loops = sch.get_loops(infos[0].block_rv)
-        if not loops:  # an opaque block launching its own threads (TVM's sort)
-            return None
-        fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
-        bx, tx = sch.split(fused, [None, _GPU_THREADS])
-        sch.bind(bx, "blockIdx.x")
-        sch.bind(tx, "threadIdx.x")
-        return sch
-
-
 def schedule_rules(target: Target) -> list[ScheduleRule]:
     """The rules the sampler's kernels are scheduled with. There is no
     `dl.gpu.Fallback`: a kernel none of these takes fails the CUDA build."""
     if target.kind.name == "cuda":
-        return [_GPURowReduction(), _GPUInjective()]
+        return [_GPURowReduction(), GPUInjective()]
     return [_CPURows()]
 
 
@@ -552,17 +529,7 @@ def sampler_pipeline(target: Target) -> tvm.transform.Pass:
                 relax.transform.AnnotateTIROpPattern(),
                 relax.transform.DeadCodeElimination(),
                 dl.ApplyDefaultSchedule(*schedule_rules(target)),
-                relax.transform.RewriteDataflowReshape(),
-                relax.transform.ToNonDataflow(),
-                relax.transform.RemovePurityChecking(),
-                relax.transform.CallTIRRewrite(),
-                relax.transform.StaticPlanBlockMemory(),
-                relax.transform.LowerAllocTensor(),
-                *([relax.transform.KillAfterLastUse()] if gpu else []),
-                relax.transform.LowerRuntimeBuiltin(),
-                relax.transform.ComputePrimValue(),
-                relax.transform.VMShapeLower(),
-                relax.transform.AttachGlobalSymbol(),
+                *vm_lowering(free_early=[relax.transform.KillAfterLastUse()] if gpu else []),
             ]
         )
         return seq(mod)
@@ -586,7 +553,9 @@ def _cache_key(vocab: int, target: Target) -> str:
     h.update(str(vocab).encode())
     h.update(str(target).encode())
     h.update(tvm.__version__.encode())
-    h.update(pathlib.Path(__file__).read_bytes())
+    # this file and compile.py, whose GPU rule and lowering passes it uses
+    for source in (pathlib.Path(__file__), pathlib.Path(__file__).with_name("compile.py")):
+        h.update(source.read_bytes())
     return h.hexdigest()[:24]
 
 
