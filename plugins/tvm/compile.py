@@ -84,11 +84,12 @@ def as_target(target: Target | dict | str) -> Target:
     return resolve_target(target)
 
 
-def _cpu_blocks(func, target: Target):
+def rule_blocks(func, target: Target, kind: str = "llvm"):
     """A schedule of `func` and its blocks with contiguous spatial blocks
-    inlined, as a CPU rule starts from; (None, None) where no CPU rule
-    applies (not a TIR function, not an llvm target, blocks it cannot read)."""
-    if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
+    inlined, as a schedule rule for targets of `kind` starts from; (None,
+    None) where the rule does not apply (not a TIR function, another kind of
+    target, blocks it cannot read)."""
+    if not isinstance(func, tirx.PrimFunc) or target.kind.name != kind:
         return None, None
     sch = s_tir.Schedule(func)
     infos = normalize_prim_func(sch)
@@ -139,7 +140,7 @@ class CPUMatmul(ScheduleRule):
         return min(self.n_block, n_extent), min(n_inner, n_extent)
 
     def apply(self, func, target: Target, tunable: bool):
-        sch, infos = _cpu_blocks(func, target)
+        sch, infos = rule_blocks(func, target)
         if infos is None:
             return None
         reductions = [b for b in infos if not b.is_injective()]
@@ -271,7 +272,7 @@ class CPUInjective(ScheduleRule):
     """
 
     def apply(self, func, target: Target, tunable: bool):
-        sch, infos = _cpu_blocks(func, target)
+        sch, infos = rule_blocks(func, target)
         if infos is None or len(infos) != 1 or not infos[0].is_injective():
             return None
         loops = sch.get_loops(infos[0].block_rv)
@@ -295,13 +296,7 @@ class GPUInjective(ScheduleRule):
     """
 
     def apply(self, func, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
-            return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        infos = try_inline_contiguous_spatial(sch, infos)
+        sch, infos = rule_blocks(func, target, "cuda")
         if not infos or not all(info.is_injective() for info in infos):
             return None
         block = infos[0].block_rv

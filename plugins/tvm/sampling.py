@@ -77,14 +77,13 @@ from collections.abc import Sequence
 import numpy as np
 
 import tvm
-from tvm import relax, s_tir, te, tirx
+from tvm import relax, te, tirx
 from tvm.s_tir import dlight as dl
-from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.base import ScheduleRule, try_inline_contiguous_spatial
+from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from lockgate.engine.sampling import SamplingRow, TokenLogprob
-from lockgate.plugins.tvm.compile import GPUInjective, vm_lowering
+from lockgate.plugins.tvm.compile import GPUInjective, rule_blocks, vm_lowering
 
 #: the most alternatives one token's logprobs may list (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
@@ -460,13 +459,9 @@ class _CPURows(ScheduleRule):
     """Run every block's outer (batch) loop across threads on the CPU."""
 
     def apply(self, func, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "llvm":
-            return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
+        sch, infos = rule_blocks(func, target, "llvm")
         if infos is None:
             return None
-        infos = try_inline_contiguous_spatial(sch, infos)
         for info in infos:
             loops = sch.get_loops(info.block_rv)
             if loops and info.dom_kind()[:1] == "S":
@@ -480,13 +475,7 @@ class _GPURowReduction(ScheduleRule):
     striding over the row and combining across threads at the end."""
 
     def apply(self, func, target: Target, tunable: bool):
-        if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
-            return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
-            return None
-        infos = try_inline_contiguous_spatial(sch, infos)
+        sch, infos = rule_blocks(func, target, "cuda")
         if infos is None:
             return None
         reductions = [b for b in infos if not b.is_injective()]
