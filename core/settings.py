@@ -160,6 +160,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tool_call_format", str, None,
             "how the model writes tool calls: `generic`, `hermes`, `llama3`, `mistral` or a plugin's format",
             default_text="from the chat template"),
+    Setting("max_tool_calls", int, 16,
+            "most tool calls one answer may carry: the grammar that constrains calls (`tool_choice` "
+            "`required`, a named tool, and `auto` with the `generic` format) ends the list there, so a "
+            "small model cannot fill its context with calls; 1 with `parallel_tool_calls: false`"),
     Setting("prefix_cache", bool, True,
             "keep finished sequences' KV pages, indexed by their tokens, for requests that share a prefix "
             "(evicted least recently used when pages are short); `--no-prefix-cache` turns it off"),

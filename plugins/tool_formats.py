@@ -23,14 +23,16 @@ from collections.abc import Sequence
 
 from lockgate.plugin_api.hookspecs import hookimpl
 from lockgate.plugin_api.tool_calls import (
+    CALL,
     ParsedOutput,
     Tool,
     ToolCall,
     ToolCallFormat,
-    any_call_schema,
     arguments_text,
+    calls_grammar,
     lark_json,
     lark_string,
+    repeated,
 )
 
 
@@ -73,6 +75,16 @@ def _complete_items(text: str, opening: str) -> list:
         items.append(item)
 
 
+def _opens_envelope(text: str) -> bool:
+    """Whether `text` is the generic envelope cut short: a start of
+    `{"tool_calls": [` or `{"response": "`, or calls none of which was
+    written out whole."""
+    text = text.strip()
+    return bool(text) and any(
+        opening.startswith(text) or text.startswith(opening) for opening in ('{"tool_calls": [', '{"response": "')
+    )
+
+
 def _string_prefix(text: str, opening: str) -> str | None:
     """The text of a JSON string that `text` opens with `opening`, as far as
     it was written before the text ends."""
@@ -86,15 +98,6 @@ def _string_prefix(text: str, opening: str) -> str | None:
         except ValueError:
             continue
     return None
-
-
-def _calls_array(tools: Sequence[Tool], parallel: bool) -> dict:
-    """A JSON array of calls of `tools`: at least one, only one unless `parallel`."""
-    return {"type": "array", "items": any_call_schema(tools), "minItems": 1, **({} if parallel else {"maxItems": 1})}
-
-
-def _repeat(call: str, separator: str, parallel: bool) -> str:
-    return f"start: {call}" + (f" ({lark_string(separator)} {call})*" if parallel else "")
 
 
 class GenericFormat(ToolCallFormat):
@@ -119,10 +122,12 @@ class GenericFormat(ToolCallFormat):
             ensure_ascii=False,
         )
 
-    def grammar(self, tools, *, required, parallel):
-        calls = {"type": "object", "properties": {"tool_calls": _calls_array(tools, parallel)}, "required": ["tool_calls"],
-                 "additionalProperties": False}
-        return "start: " + lark_json(calls if required else {"anyOf": [calls, self._ANSWER]})
+    def grammar(self, tools, *, required, max_calls):
+        # "{" a lexeme of its own: the answer's `%json` opens with one too, and
+        # llguidance's lexer does not back off a longer literal it has begun
+        envelope = (lark_string("{"), lark_string('"tool_calls": ['), repeated(CALL, ", ", max_calls), lark_string("]}"))
+        calls = " ".join(envelope)
+        return calls_grammar(calls if required else f"({calls}) | {lark_json(self._ANSWER)}", tools)
 
     _ANSWER = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
                "additionalProperties": False}
@@ -140,6 +145,8 @@ class GenericFormat(ToolCallFormat):
             answer = _string_prefix(text, '{"response": "')
             if answer is not None:  # and an answer cut short is still the answer
                 return ParsedOutput(answer or None, [])
+            if _opens_envelope(text):  # cut before a call or an answer was whole: neither
+                return ParsedOutput(None, [])
         if isinstance(obj, dict):
             if isinstance(obj.get("tool_calls"), list):
                 calls = _calls_from(obj["tool_calls"])
@@ -178,11 +185,11 @@ class HermesFormat(ToolCallFormat):
             for c in calls
         )
 
-    def grammar(self, tools, *, required, parallel):
+    def grammar(self, tools, *, required, max_calls):
         if not required:
             return None
-        call = f'"<tool_call>\\n" {lark_json(any_call_schema(tools))} "\\n</tool_call>"'
-        return _repeat(f"({call})", "\n", parallel)
+        tagged = " ".join((lark_string("<tool_call>\n"), CALL, lark_string("\n</tool_call>")))
+        return calls_grammar(repeated(tagged, "\n", max_calls), tools)
 
     def parse(self, text):
         calls, spans = [], []
@@ -222,10 +229,10 @@ class Llama3Format(ToolCallFormat):
     def render_calls(self, calls):
         return "; ".join(json.dumps({"name": c.name, "parameters": _json(c.arguments) or {}}) for c in calls)
 
-    def grammar(self, tools, *, required, parallel):
+    def grammar(self, tools, *, required, max_calls):
         if not required:
             return None
-        return _repeat(f"({lark_json(any_call_schema(tools, arguments_key='parameters'))})", "; ", parallel)
+        return calls_grammar(repeated(CALL, "; ", max_calls), tools, arguments_key="parameters")
 
     def parse(self, text):
         body = text.strip().removeprefix(self._TAG).strip()
@@ -260,10 +267,10 @@ class MistralFormat(ToolCallFormat):
     def render_calls(self, calls):
         return self._TAG + json.dumps([{"name": c.name, "arguments": _json(c.arguments) or {}} for c in calls])
 
-    def grammar(self, tools, *, required, parallel):
+    def grammar(self, tools, *, required, max_calls):
         if not required:
             return None
-        return "start: " + lark_json(_calls_array(tools, parallel))
+        return calls_grammar(" ".join((lark_string("["), repeated(CALL, ", ", max_calls), lark_string("]"))), tools)
 
     def parse(self, text):
         body = text.strip()

@@ -192,10 +192,11 @@ class FunctionTags(ToolCallFormat):
     def render_calls(self, calls):
         return "".join(f"<function={c.name}>{c.arguments}</function>" for c in calls)
 
-    def grammar(self, tools, *, required, parallel):
+    def grammar(self, tools, *, required, max_calls):
         if not required:
             return None
-        return "start: " + " | ".join(f'"<function={t.name}>" {lark_json(t.parameters)} "</function>"' for t in tools)
+        call = " | ".join(f'"<function={t.name}>" {lark_json(t.parameters)} "</function>"' for t in tools)
+        return f"start: call{{1,{max_calls}}}\ncall: {call}"
 
     def parse(self, text):
         calls = [ToolCall(name, args) for name, args in self.CALL.findall(text)]

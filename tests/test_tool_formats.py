@@ -34,6 +34,8 @@ RECORDED = [
     ("generic", '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "argum',  # cut short
      None, [("add", {"a": 1, "b": 2})]),
     ("generic", '{"response": "It is 4 \\u00b0C and sn', "It is 4 \u00b0C and sn", []),  # cut short
+    ("generic", '{"', None, []),  # cut before anything was whole (max_tokens 1)
+    ("generic", '{"tool_calls": [{"name": "add", "argu', None, []),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      None, [("get_weather", {"city": "Paris"})]),
     ("hermes", 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
@@ -98,10 +100,10 @@ def test_the_format_follows_the_template(template, name):
 
 
 @pytest.mark.parametrize("name", sorted(BUILT_IN_FORMATS))
-@pytest.mark.parametrize("parallel", [False, True])
-def test_every_required_grammar_compiles_and_forces_a_valid_call(name, parallel, smollm2_tokenizer):
+@pytest.mark.parametrize("max_calls", [1, 16])
+def test_every_required_grammar_compiles_and_forces_a_valid_call(name, max_calls, smollm2_tokenizer):
     fmt = BUILT_IN_FORMATS[name]()
-    text = fmt.grammar([WEATHER, ADD], required=True, parallel=parallel)
+    text = fmt.grammar([WEATHER, ADD], required=True, max_calls=max_calls)
     grammar = compile_grammar(text, smollm2_tokenizer)
     # walk the grammar greedily through one valid call, as a model would
     call = RECORDED_CALL[name]

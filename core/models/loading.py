@@ -17,6 +17,7 @@ from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
 from lockgate.models.executor import Executor, ExecutorFactory, ExecutorOptions, ModelFile
 from lockgate.models.config import LlamaConfig
 from lockgate.plugin_api.tool_calls import choose_tool_call_format
+from lockgate.settings import setting_default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,8 @@ class Model:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     #: how this model writes tool calls (`lockgate.plugin_api.tool_calls.ToolCallFormat`)
     tool_call_format: Any = None
+    #: most calls one answer may carry (`--max-tool-calls`)
+    max_tool_calls: int = setting_default("max_tool_calls")
 
     @functools.cached_property
     def token_bytes(self):
@@ -116,6 +119,7 @@ class ModelSource:
     eos_token_ids: list[int]
     aliases: tuple[str, ...] = ()
     tool_call_format: Any = None
+    max_tool_calls: int = setting_default("max_tool_calls")
 
     def model_file(self) -> ModelFile:
         return ModelFile(path=self.path, config=self.config, metadata=self.metadata)
@@ -133,6 +137,7 @@ class ModelSource:
             engine=engine,
             aliases=self.aliases,
             tool_call_format=self.tool_call_format,
+            max_tool_calls=self.max_tool_calls,
         )
 
 
@@ -143,6 +148,7 @@ def open_model(
     served_name: str | None = None,
     chat_template: str | None = None,
     tool_call_format: str | None = None,
+    max_tool_calls: int = setting_default("max_tool_calls"),
     progress: Callable[[str], None] | None = None,
 ) -> ModelSource:
     """Find `model` (a registered name or alias, or a path to a GGUF file)
@@ -192,6 +198,7 @@ def open_model(
         eos_token_ids=eos_ids,
         aliases=aliases,
         tool_call_format=tool_format,
+        max_tool_calls=max_tool_calls,
     )
 
 
@@ -205,6 +212,7 @@ def load_model(
     executor_options: ExecutorOptions = ExecutorOptions(),
     engine_options: EngineOptions = EngineOptions(),
     tool_call_format: str | None = None,
+    max_tool_calls: int = setting_default("max_tool_calls"),
 ) -> Model:
     """Load `model` (a registered name or alias, or a path to a GGUF file).
 
@@ -219,7 +227,7 @@ def load_model(
         )
     source = open_model(
         pm, model, served_name=served_name, chat_template=chat_template,
-        tool_call_format=tool_call_format, progress=executor_options.progress,
+        tool_call_format=tool_call_format, max_tool_calls=max_tool_calls, progress=executor_options.progress,
     )
     backend = factories[executor](source.model_file(), executor_options)
     source.metadata = None
@@ -248,6 +256,7 @@ def load_model_from_settings(pm: pluggy.PluginManager, settings, progress=None) 
         executor_options=settings.executor_options(progress=progress),
         engine_options=settings.engine_options(),
         tool_call_format=settings.tool_call_format,
+        max_tool_calls=settings.max_tool_calls,
     )
 
 

@@ -64,27 +64,43 @@ def arguments_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def call_schema(tool: Tool, *, arguments_key: str = "arguments") -> dict[str, Any]:
-    """The JSON schema of one call of `tool`: `{"name": <its name>, "<arguments_key>": <its parameters>}`."""
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool.name}, arguments_key: dict(tool.parameters)},
-        "required": ["name", arguments_key],
-        "additionalProperties": False,
-    }
-
-
-def any_call_schema(tools: Sequence[Tool], *, arguments_key: str = "arguments") -> dict[str, Any]:
-    """One call of any of `tools`."""
-    schemas = [call_schema(t, arguments_key=arguments_key) for t in tools]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-
-
 def lark_json(schema: Mapping[str, Any]) -> str:
-    """A JSON schema embedded in an llguidance Lark grammar: objects closed
-    as in `response_format`, JSON laid out as everywhere else."""
+    """A JSON schema as a document of its own inside an llguidance Lark
+    grammar: its `$ref`s (`#/$defs/...`, `#`) resolve against `schema`
+    itself, wherever in the grammar it stands; objects closed as in
+    `response_format`, JSON laid out as everywhere else."""
     layout = {"x-guidance": dict(JSON_LAYOUT, lenient=True)}
     return "%json " + json.dumps({**layout, **closed_objects(schema)}, ensure_ascii=False)
+
+
+#: the Lark rule `calls_grammar` defines as one call of any of the tools
+CALL = "call"
+
+
+def call_lark(tool: Tool, *, arguments_key: str = "arguments") -> str:
+    """One call of `tool` as a Lark expression: the JSON object
+    `{"name": "<its name>", "<arguments_key>": <arguments>}`, laid out as
+    all generated JSON is. The arguments are a `%json` document of their
+    own, so a tool's parameters compile as the document their author wrote
+    (never embedded in a larger schema, where their pointers would not
+    resolve)."""
+    opening = json.dumps({"name": tool.name, arguments_key: 0}, ensure_ascii=False)[: -len("0}")]
+    return f"{lark_string(opening)} {lark_json(tool.parameters)} {lark_string('}')}"
+
+
+def calls_grammar(start: str, tools: Sequence[Tool], *, arguments_key: str = "arguments") -> str:
+    """A Lark grammar: `start` is the start rule's expression, in which
+    `call` (`CALL`) stands for one call of any of `tools`."""
+    calls = " | ".join(call_lark(t, arguments_key=arguments_key) for t in tools)
+    return f"start: {start}\n{CALL}: {calls}\n"
+
+
+def repeated(item: str, separator: str, most: int) -> str:
+    """A Lark expression: `item` once, then up to `most - 1` more times,
+    each after `separator` (a grammar that lets a list of calls end)."""
+    if most <= 1:
+        return f"({item})"
+    return f"({item}) ({lark_string(separator)} ({item})){{0,{most - 1}}}"
 
 
 def lark_string(text: str) -> str:
@@ -116,10 +132,14 @@ class ToolCallFormat(abc.ABC):
         a chat template that cannot render them itself)."""
 
     @abc.abstractmethod
-    def grammar(self, tools: Sequence[Tool], *, required: bool, parallel: bool) -> str | None:
-        """An llguidance Lark grammar for the output: with `required`, one
-        call (or several, with `parallel`) of `tools`; without, text or
-        calls. None leaves generation unconstrained."""
+    def grammar(self, tools: Sequence[Tool], *, required: bool, max_calls: int) -> str | None:
+        """An llguidance Lark grammar for the output: with `required`, at
+        least one and at most `max_calls` calls of `tools` (1 when the
+        client turned `parallel_tool_calls` off, else the server's
+        `--max-tool-calls`); without, text or such calls. Each tool's
+        parameters go in as a document of their own (`lark_json`,
+        `call_lark`, `calls_grammar`). None leaves generation
+        unconstrained."""
 
     def answer_grammar(self) -> str | None:
         """A grammar for an answer without calls, in a conversation that has
