@@ -17,6 +17,8 @@ llguidance's top-level `"x-guidance"` key.
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -120,9 +122,14 @@ def compile_json_schema(
 ) -> Grammar:
     """Compile a JSON schema into a `Grammar` that generation must follow.
 
-    `$defs`/`$ref` and recursive schemas work. With `strict` a keyword or
-    string format llguidance does not implement is an error; otherwise
-    (OpenAI's default) it is ignored and reported in `Grammar.warnings`.
+    `$defs`/`$ref` and recursive schemas work. Keywords fall in three
+    classes (the README's "Which schema keywords are enforced"): those the
+    grammar enforces; annotations (`title`, `description`, `default`,
+    `examples`, unknown keywords), accepted and ignored; and keywords that
+    change what is valid but that the grammar cannot enforce (`uniqueItems`,
+    `not`, `if`, an unknown string `format`, ...). With `strict` one of the
+    last class is an error naming it; otherwise (OpenAI's default) it is
+    accepted, not enforced, and listed in `Grammar.unenforced`.
 
     :param schema: the JSON schema (a decoded JSON object).
     :param tokenizer: the model's transformers fast tokenizer; its
@@ -298,8 +305,15 @@ class Grammar:
 
     @property
     def warnings(self) -> tuple[str, ...]:
-        """What llguidance ignored in a non-strict schema (worth a log line)."""
+        """What llguidance ignored in a non-strict schema, in its words."""
         return self._warnings
+
+    @property
+    def unenforced(self) -> tuple[str, ...]:
+        """The keywords of a non-strict schema that change what is valid but
+        that generation does not enforce (`'uniqueItems'`, `the string
+        format 'binary'`): the warning the request's log line gives."""
+        return tuple(k for w in self._warnings for k in (_unenforced_keywords(w) or [w]))
 
     def matcher(self) -> Matcher:
         """A fresh matcher at the start of the grammar, for one sequence."""
@@ -476,6 +490,30 @@ def _expanded_depth(root, limit: int) -> int:
 
 
 def _invalid(reason: str) -> InvalidSchema:
+    """A 400 that says in a sentence what is wrong with the client's
+    schema, from llguidance's account of it."""
+    return InvalidSchema(_explained(reason), subject=_SUBJECT)
+
+
+def _explained(reason: str) -> str:
+    reason = _compiler_message(reason)
+    keywords = _unenforced_keywords(reason)
+    if keywords:
+        it = "it" if len(keywords) == 1 else "them"
+        return (
+            f"the schema uses {_listed(keywords)}, which lockgate cannot enforce while generating, and a "
+            f"strict schema may only use keywords that are enforced (remove {it}, or leave strict off to "
+            f"have {it} accepted and not enforced)"
+        )
+    pointer = _DANGLING.search(reason)
+    if pointer:
+        return f"the $ref '#{pointer[1]}' points at nothing in this schema (no '{pointer[1]}' in it)"
+    remote = _REMOTE.search(reason)
+    if remote:
+        return (
+            f"the $ref '{remote[1]}' names a schema outside this one, which lockgate does not fetch; "
+            "put it under $defs and refer to it as '#/$defs/...'"
+        )
     # llguidance quotes the offending part of the schema, which may be huge,
     # on its own line (a regex error puts the reason after the pattern):
     # shorten long lines rather than cut the end off.
@@ -483,9 +521,49 @@ def _invalid(reason: str) -> InvalidSchema:
         line if len(line) <= _MAX_LINE else line[: _MAX_LINE - 1] + "…"
         for line in reason.splitlines()
     ]
-    return InvalidSchema(
-        "invalid JSON schema: " + "\n".join(lines[:_MAX_LINES]), subject=_SUBJECT
-    )
+    return "invalid JSON schema: " + "\n".join(lines[:_MAX_LINES])
+
+
+#: where llguidance's account of a grammar error begins, after its position
+#: and "failed to compile JSON schema" (and before any grammar text)
+_COMPILER_PREFIX = re.compile(r"^(?:at \d+\(\d+\): )?(?:failed to compile JSON schema: )?")
+_DANGLING = re.compile(r"Pointer '([^']*)' does not exist")
+_REMOTE = re.compile(r"Resource '([^']*)' is not present in a registry")
+#: llguidance's words for a keyword it does not implement (a warning when
+#: lenient, the error when strict), and what the client wrote
+_UNENFORCED = (
+    (re.compile(r"Unimplemented keys: \[([^\]]*)\]"), lambda m: [f"'{k}'" for k in json.loads(f"[{m[1]}]")]),
+    (re.compile(r"Unknown format: (.*)"), lambda m: [f"the string format '{m[1].strip()}'"]),
+    (re.compile(r"oneOf constraints are not supported"), lambda m: ["'oneOf' with branches that may overlap"]),
+    (re.compile(r"min/maxProperties only supported when"),
+     lambda m: ["'minProperties'/'maxProperties' on an object whose properties are not all required"]),
+)
+
+
+def _compiler_message(reason: str) -> str:
+    # the first line is llguidance's account; the lines after it, where a
+    # grammar failed, quote the grammar text, which is ours, not the client's
+    lines = reason.strip().splitlines() or [""]
+    first = _COMPILER_PREFIX.sub("", lines[0])
+    if first.startswith("regex parse error"):
+        return "\n".join([first, *lines[1:]])
+    return first
+
+
+def _unenforced_keywords(message: str) -> list[str]:
+    """The keywords a message of llguidance's names as not enforced."""
+    for pattern, named in _UNENFORCED:
+        match = pattern.search(message)
+        if match:
+            try:
+                return named(match)
+            except ValueError:
+                return [match[0]]
+    return []
+
+
+def _listed(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _first_line(text: str) -> str:

@@ -106,12 +106,24 @@ def compile_grammar(request: GenerationRequest, tokenizer, eos_token_ids: Sequen
     output = request.response_format
     if output is None:
         return None
-    with errors_named_for(request):
-        grammar = compile_json_schema(
-            output.schema, tokenizer, strict=output.strict, eos_token_ids=eos_token_ids
-        )
-    if grammar.warnings:
-        log.warning("response_format schema features ignored", warnings=list(grammar.warnings))
+    return compile_schema(
+        output.schema, tokenizer, eos_token_ids, strict=output.strict, param=request.param_for("schema")
+    )
+
+
+def compile_schema(schema, tokenizer, eos_token_ids: Sequence[int], *, strict: bool, param: str) -> Grammar:
+    """One rule for every schema a client sends (`response_format`, each
+    tool's parameters): compiled as the document it is; an error is a 400
+    naming `param`; in a schema that is not strict, the keywords the
+    grammar cannot enforce are accepted and named in a warning (strict, they
+    are the 400)."""
+    try:
+        grammar = compile_json_schema(schema, tokenizer, strict=strict, eos_token_ids=eos_token_ids)
+    except LockgateError as exc:
+        exc.param = param
+        raise
+    if grammar.unenforced:
+        log.warning("schema keywords accepted but not enforced", param=param, keywords=list(grammar.unenforced))
     return grammar
 
 
@@ -121,8 +133,9 @@ def tool_call_params(request: ChatRequest, model: Model) -> dict:
     (`auto`, where the format can say so), or an answer in the format's
     own shape (`none` after earlier calls, where it has one); and the
     format's markers kept in the text. Every tool's parameters are compiled
-    first, with the checks of `response_format`, so a bad schema is a 400
-    naming its tool."""
+    first, as `response_format` is, so a bad schema is a 400 naming its
+    tool. A call list ends: at most `model.max_tool_calls` calls, or one
+    without `parallel_tool_calls`."""
     fmt = model.tool_call_format
     if fmt is None:
         raise UnsupportedParameter("this model has no tool-call format", param="tools")
@@ -133,16 +146,12 @@ def tool_call_params(request: ChatRequest, model: Model) -> dict:
             changes["grammar"] = compile_lark(lark, model.tokenizer, eos_token_ids=model.eos_token_ids)
         return changes
     for i, tool in enumerate(request.offered_tools):
-        try:
-            compile_json_schema(
-                tool.parameters, model.tokenizer, strict=tool.strict, eos_token_ids=model.eos_token_ids
-            )
-        except LockgateError as exc:
-            exc.param = request.tool_parameters_param(i)
-            raise
+        compile_schema(tool.parameters, model.tokenizer, model.eos_token_ids, strict=tool.strict,
+                       param=request.tool_parameters_param(i))
     choice = request.effective_tool_choice
     required = choice == "required" or choice.startswith("function:")
-    lark = fmt.grammar(request.forced_tools, required=required, parallel=request.parallel_tool_calls)
+    max_calls = model.max_tool_calls if request.parallel_tool_calls else 1
+    lark = fmt.grammar(request.forced_tools, required=required, max_calls=max_calls)
     if lark is not None:
         changes["grammar"] = compile_lark(lark, model.tokenizer, eos_token_ids=model.eos_token_ids)
     return changes
