@@ -6,6 +6,7 @@ import pytest
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
     "x": {"type": "integer"}}}}}
@@ -99,6 +100,11 @@ BAD = [
     (CHAT, chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
         "function": {"name": "f", "arguments": {}}}]}]), "messages[0].tool_calls[0].function.arguments",
      "invalid_value"),
+    *[(CHAT, chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+        "function": {"name": "f", "arguments": arguments}}]}]), "messages[0].tool_calls[0].function.arguments",
+        "invalid_value") for arguments in ("{", "[1]", "null")],
+    (RESPONSES, {"model": "tiny", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
+     "input[0].arguments", "invalid_value"),
     (CHAT, chat(top_k=-2), "top_k", "invalid_value"),
     (CHAT, chat(min_p=1.5), "min_p", "invalid_value"),
     (CHAT, chat(repetition_penalty=0), "repetition_penalty", "invalid_value"),
@@ -139,6 +145,11 @@ GOOD = [
             {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "y", "tool_call_id": "1"},
         {"role": "developer", "content": "d"}, {"role": "user", "content": "z"}])),
+    # a call without arguments as some clients send it back, with the SDK's null fields
+    (CHAT, chat(messages=[{"role": "user", "content": "t?"}, {"role": "assistant", "content": None, "refusal": None,
+        "audio": None, "function_call": None, "annotations": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": ""}}]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "1"}])),
     (CHAT, chat(tools=[TOOL], tool_choice="none")),
     (CHAT, chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)),
     (CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}})),

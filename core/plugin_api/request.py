@@ -322,10 +322,27 @@ def _call(value: Any, where: str, *, call_id: str | None) -> ToolCall:
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequestError(f"{where}.name must be a non-empty string", param=f"{where}.name")
-    arguments = function.get("arguments", "{}")
-    if not isinstance(arguments, str):
-        raise InvalidRequestError(f"{where}.arguments must be a string of JSON", param=f"{where}.arguments")
+    arguments = read_arguments(function.get("arguments", "{}"), f"{where}.arguments")
     return ToolCall(name, arguments) if call_id is None else ToolCall(name, arguments, id=call_id)
+
+
+def read_arguments(value: Any, where: str) -> str:
+    """An earlier call's `arguments`: a JSON object as text, as the model
+    wrote it ("" for a call without arguments reads as `{}`). Anything else
+    would reach the chat template as something no call ever carried."""
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{where} must be a string of JSON, not {json_type(value)}", param=where)
+    if not value.strip():
+        return "{}"
+    try:
+        decoded = json.loads(value)
+    except ValueError:
+        decoded = None
+    if not isinstance(decoded, dict):
+        raise InvalidRequestError(
+            f"{where} must be a JSON object as text (the call's arguments), got {json.dumps(value)[:80]}", param=where
+        )
+    return value
 
 
 def read_tools(value: Any, where: str) -> tuple[Tool, ...]:

@@ -29,6 +29,7 @@ from lockgate.plugin_api.request import (
     integer,
     json_type,
     param,
+    read_arguments,
     read_fields,
     read_response_format,
     read_tools,
@@ -98,8 +99,7 @@ def _function_call(item: Mapping[str, Any], where: str) -> ToolCall:
     for key in ("call_id", "name"):
         if not isinstance(item.get(key), str) or not item[key]:
             raise InvalidRequestError(f"{where}.{key} must be a non-empty string", param=f"{where}.{key}")
-    arguments = item.get("arguments", "{}")
-    string(arguments, f"{where}.arguments")
+    arguments = read_arguments(item.get("arguments", "{}"), f"{where}.arguments")
     return ToolCall(item["name"], arguments, id=item["call_id"])
 
 
