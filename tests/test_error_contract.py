@@ -203,6 +203,33 @@ async def test_context_length_exceeded(tiny_model, make_client, stream):
     assert (await wait_idle(tiny_model.engine))["kv_pages_used"] == 0
 
 
+@pytest.mark.parametrize("route, body", [
+    (CHAT, {**GOOD, "messages": [{"role": "user", "content": "a" * 900_000}]}),
+    ("/v1/completions", {"model": "tiny", "prompt": "\u00e9t\u00e9 " * 200_000}),
+])
+async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tiny_model, make_client, route, body):
+    """Whatever its tokens, a prompt of more characters than the context
+    times the longest token's is over the context: no tokenizer run (a
+    million characters cost a second and 100 MB of transient memory)."""
+    tokenized = []
+
+    class Spy:
+        @hookimpl(tryfirst=True)
+        def lockgate_tokenize(self, prompt):
+            tokenized.append(len(prompt))
+
+    client = await make_client(tiny_model, plugins=[Spy()])
+    error = await assert_error(await client.post(route, json=body), 400, "invalid_request_error",
+                               "context_length_exceeded", "messages" if route == CHAT else "prompt")
+    assert "at least" in error["message"] and str(tiny_model.context_length) in error["message"]
+    assert tokenized == []
+    # one that might fit is still tokenized and counted exactly
+    response = await client.post(route, json={**body, "messages": [{"role": "user", "content": "a b " * 900}]}
+                                 if route == CHAT else {**body, "prompt": "a b " * 900})
+    assert tokenized and response.status == 400
+    assert "at least" not in (await response.json())["error"]["message"]
+
+
 async def test_missing_api_key_is_401(tiny_model, make_client):
     client = await make_client(tiny_model, api_keys=("k",))
     await assert_error(await client.post(CHAT, json=GOOD), 401, "authentication_error", "invalid_api_key")

@@ -61,6 +61,14 @@ class Model:
     def context_length(self) -> int:
         return self.engine.context_length
 
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters of text one token stands for (its spelling in
+        the vocabulary: a byte-level token's length is its byte count, at
+        least its character count). A prompt of C characters is at least
+        C / this many tokens."""
+        return max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
+
     def close(self) -> None:
         """Release the executor, or the engine's replicas where it has some
         elsewhere (`RayEngine.close`)."""
