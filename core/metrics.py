@@ -3,7 +3,7 @@ counters fed by the engine thread through the `EngineObserver` interface."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -37,6 +37,9 @@ class _EngineGauges(Collector):
                 labels=["model"]),
             "kv_pages_total": GaugeMetricFamily(
                 "lockgate_kv_pages_total", "KV cache pages in all.", labels=["model"]),
+            "prefix_cache_sequences": GaugeMetricFamily(
+                "lockgate_prefix_cache_sequences",
+                "Finished sequences the prefix cache keeps (at most one per KV page).", labels=["model"]),
         }
         per_replica = {
             key: GaugeMetricFamily(family.name.replace("lockgate_", "lockgate_replica_", 1),
@@ -61,6 +64,9 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        # process_resident_memory_bytes, process_open_fds, ...: growth shows
+        # here before a container's memory limit finds it
+        ProcessCollector(registry=self.registry)
         self._gauges = _EngineGauges()
         self.registry.register(self._gauges)
         self.ttft = Histogram(

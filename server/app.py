@@ -20,11 +20,12 @@ import structlog
 from aiohttp import web
 
 from lockgate.logging import configure_logging
+from lockgate.memory import Trimmer
 from lockgate.metrics import Metrics
 from lockgate.models import Model, ServedModels, load_model_from_settings
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.server.config import Settings, serve_parser, settings_from_args
-from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS
+from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS, TRIMMER
 
 from lockgate.server.middlewares import (
     api_key_middleware,
@@ -64,6 +65,7 @@ def create_app(
     app[PLUGIN_MANAGER] = pm
     app[MODELS] = ServedModels()
     app[METRICS] = Metrics()
+    app[TRIMMER] = Trimmer()
     app.on_response_prepare.append(set_request_id_header)
     app.on_response_prepare.append(set_cors_headers)
     app.on_response_prepare.append(set_replica_header)
@@ -77,7 +79,12 @@ def create_app(
     app[RESPONSE_STORE] = ResponseStore(settings.responses_store_size)
     app.add_subapp("/v1", api)
     app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))
+    app.on_cleanup.append(_close_trimmer)
     return app
+
+
+async def _close_trimmer(app: web.Application) -> None:
+    app[TRIMMER].close()
 
 
 def _model_lifecycle(given: list[Model] | None):

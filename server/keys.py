@@ -6,6 +6,7 @@ import pluggy
 from aiohttp import web
 
 from lockgate.engine import Usage
+from lockgate.memory import Trimmer
 from lockgate.metrics import Metrics
 from lockgate.models import ServedModels
 from lockgate.plugin_api.request import GenerationRequest
@@ -15,6 +16,7 @@ PLUGIN_MANAGER = web.AppKey("plugin_manager", pluggy.PluginManager)
 SETTINGS = web.AppKey("settings", Settings)
 MODELS = web.AppKey("models", ServedModels)
 METRICS = web.AppKey("metrics", Metrics)
+TRIMMER = web.AppKey("trimmer", Trimmer)
 
 #: per-request: the id and the parsed request the hooks see
 REQUEST_ID = web.RequestKey("lockgate_request_id", str)

@@ -23,7 +23,8 @@ import structlog
 from aiohttp import web
 
 from lockgate.errors import AuthenticationError, OriginNotAllowed
-from lockgate.server.keys import COUNTED, ERROR_ANSWER, HANDLES, METRICS, REQUEST_ID, SETTINGS, USAGE
+from lockgate.memory import LARGE_BODY_BYTES
+from lockgate.server.keys import COUNTED, ERROR_ANSWER, HANDLES, METRICS, REQUEST_ID, SETTINGS, TRIMMER, USAGE
 from lockgate.server.protocol import error_body, error_response, usage_body
 
 log = structlog.get_logger("lockgate.server")
@@ -69,6 +70,9 @@ async def request_id_middleware(request: web.Request, handler):
             **({} if error_type is None else {"error_type": error_type}),
         )
         structlog.contextvars.unbind_contextvars("request_id")
+        if (request.content_length or 0) >= LARGE_BODY_BYTES:
+            # its transient memory is freed now: have the allocator give it back
+            request.config_dict[TRIMMER].after_large_work()
 
 
 async def set_request_id_header(request: web.Request, response: web.StreamResponse) -> None:

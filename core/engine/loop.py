@@ -174,6 +174,7 @@ class Engine:
                 # them is free whenever a request needs the room
                 "kv_pages_used": self.executor.total_pages - self._kv_free_pages - self._kv_cached_pages,
                 "kv_pages_cached": self._kv_cached_pages,
+                "prefix_cache_sequences": self.scheduler.cached_sequences,
             }
 
     # ----------------------------------------------------------- admission

@@ -312,6 +312,12 @@ class Scheduler:
         """Pages only cached sequences hold (what evicting them all would free)."""
         return 0 if self.cache is None else self.book.cached_only
 
+    @property
+    def cached_sequences(self) -> int:
+        """Sequences the prefix cache holds: at most one per KV page, each
+        holding at least a page, so its size is bounded by the KV cache's."""
+        return 0 if self.cache is None else len(self.cache.entries)
+
     # ------------------------------------------------------------ freeing pages
 
     def _ensure_free(self, pages: int, *, keep: int | None = None) -> bool:

@@ -92,9 +92,10 @@ class RayEngine:
         totals: dict[str, Any] = collections.Counter()
         for figures in self._replicas.values():
             for key, value in figures.items():
-                if key.startswith(("requests_", "kv_pages_")):
+                if key.startswith(("requests_", "kv_pages_", "prefix_cache_")):
                     totals[key] += value
-        for key in ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_cached", "kv_pages_total"):
+        for key in ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_cached", "kv_pages_total",
+                    "prefix_cache_sequences"):
             totals.setdefault(key, 0)
         return {**totals, "replicas": {replica: dict(f) for replica, f in sorted(self._replicas.items())}}
 

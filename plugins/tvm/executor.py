@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import math
 import os
@@ -12,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lockgate.errors import ModelLoadError
+from lockgate.memory import trim_allocator
 from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
 
 #: the only KV page length TVM 0.27's cache kernels (CPU and GPU) are built for
@@ -57,14 +56,7 @@ def _release_loading_memory() -> None:
     of resident memory on the default model until both are released.
     """
     gc.collect()
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return
-    try:
-        trim = ctypes.CDLL(libc_name).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
+    trim_allocator()
 
 
 class TVMExecutor(Executor):

@@ -1,0 +1,67 @@
+"""Memory that levels off: the allocator is asked to give back what a
+request with a large body freed, and /metrics shows the process's resident
+memory and the prefix cache's size."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from conftest import wait_for
+from lockgate.memory import LARGE_BODY_BYTES, Trimmer
+from lockgate.server.keys import TRIMMER
+
+CHAT = "/v1/chat/completions"
+
+
+def test_trims_are_rate_limited_and_close_stops_the_thread():
+    trimmer = Trimmer(interval=0.5)
+    if not trimmer.available:
+        pytest.skip("not glibc: nothing to trim")
+    trimmer.after_large_work()
+    until(lambda: trimmer.trims == 1)
+    # asks within the interval after a trim are served by one trim after it
+    for _ in range(50):
+        trimmer.after_large_work()
+    until(lambda: trimmer.trims == 2)
+    time.sleep(0.7)
+    assert trimmer.trims == 2
+    trimmer.close()
+    assert not trimmer._thread.is_alive()
+    trimmer.after_large_work()  # after close: nothing, no error
+    assert trimmer.trims == 2
+
+
+def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.01)
+
+
+async def test_a_large_body_asks_for_a_trim_a_small_one_does_not(tiny_model, make_client):
+    client = await make_client(tiny_model)
+    trimmer = client.app[TRIMMER]
+    if not trimmer.available:
+        pytest.skip("not glibc: nothing to trim")
+    small = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert (await client.post(CHAT, json=small)).status == 200
+    assert trimmer.trims == 0
+    large = {**small, "messages": [{"role": "user", "content": "x " * LARGE_BODY_BYTES}]}
+    response = await client.post(CHAT, json=large)
+    assert response.status == 400  # past the context, refused before it was tokenized
+    await wait_for(lambda: trimmer.trims == 1, what="a trim after the large request")
+
+
+async def test_metrics_show_resident_memory_and_the_prefix_cache(tiny_model, make_client):
+    client = await make_client(tiny_model)
+    body = {"model": "tiny", "prompt": "the cat sat on the mat " * 8, "max_tokens": 2}
+    assert (await client.post("/v1/completions", json=body)).status == 200
+    await wait_for(lambda: tiny_model.engine.stats()["requests_running"] == 0, what="an idle engine")
+    text = await (await client.get("/metrics")).text()
+    resident = float(re.search(r"^process_resident_memory_bytes (\S+)$", text, re.M)[1])
+    assert resident > 50 * 1024 * 1024
+    sequences = float(re.search(r'^lockgate_prefix_cache_sequences\{model="tiny"\} (\S+)$', text, re.M)[1])
+    assert sequences == tiny_model.engine.stats()["prefix_cache_sequences"] >= 1
