@@ -1,35 +1,40 @@
-"""A soak with faults: lockgate under a mix of good, bad and rude clients for
-a given time, with executor faults injected, checked for anything lost,
-changed, leaked or answered 5xx.
+"""A soak: lockgate under a mix of traffic for a given time, checked for
+anything lost, changed, leaked or answered 5xx, and for memory that does not
+level off.
 
 It starts its own server (the app `lockgate serve` runs, plus a plugin whose
-executor fails one forward pass in N) and drives it at a given concurrency
-with:
+executor can fail one forward pass in N) and drives it with one of two
+profiles:
 
-* normal requests, checked: chat and completions, streamed and not, `n > 1`,
-  `response_format` json_schema (output must validate), logprobs (one entry
-  per token), stop strings; greedy and seeded ones must equal their
-  reference, taken alone before the soak;
-* malformed requests (each must get its 4xx), over-long prompts (400
-  context_length_exceeded);
-* clients that disconnect mid-stream and mid-pipeline, clients that read
-  their stream very slowly (their answer must still be whole and equal);
-* bursts beyond `--max-queue` (429s, never a 5xx); a normal request that
-  meets a full queue gets the same 429 (counted, not a violation: pick
-  `--concurrency` below the queue plus the batch for few of them).
+* `mixed` (the default), traffic as users send it: `--concurrency` clients
+  sending normal requests well below the queue limit (mostly sampled chat
+  streams of 64 tokens; greedy and seeded, so each is checked against its
+  reference), slow readers among them; one client looping over malformed
+  and oversized requests (bodies up to the size limit and past it,
+  million-character strings, deeply nested JSON, schemas the grammar
+  compiler refuses, wrong types: each must get its own 4xx); and waves of 8
+  clients that open long streams and hang up after 1.5 s. No injected
+  faults unless `--fault-every` says so.
+* `faults`: the normal requests of every kind (chat and completions,
+  streamed or not, `n > 1`, json_schema, logprobs, stop strings) with
+  malformed and over-long requests, clients that disconnect mid-stream and
+  mid-pipeline, slow readers and bursts past `--max-queue`, at a given
+  concurrency, with one forward pass in `--fault-every` failing.
 
 A normal request may fail only if an injected fault happened while it ran
 (a failed step fails the requests in it, by design); every other 5xx, lost
-or changed answer is a violation. At the start, middle and end it reads the
+or changed answer is a violation. Every `--sample-every` seconds it reads the
 server's RSS, open file descriptors and threads, and the engine's gauges; it
 fails on any violation, on gauges not back to 0 at the end, on RSS growing
-more than 5 % over the second half, or on descriptors or threads growing.
+more than `--max-growth` % over the second half, or on descriptors or
+threads growing.
 
-    python benchmarks/soak.py --minutes 30 --concurrency 64            # the default model
-    python benchmarks/soak.py --model tests-tiny --seconds 60          # a tiny random model
+    python benchmarks/soak.py --minutes 30                                     # mixed, the default model
+    python benchmarks/soak.py --profile faults --minutes 30 --concurrency 64   # with faults
+    python benchmarks/soak.py --model tests-tiny --seconds 60                  # a tiny random model
 
-Exit status 1 when anything was violated. `tests/test_soak.py` runs it for
-60 seconds on the tiny model in the test suite.
+Exit status 1 when anything was violated. `tests/test_soak.py` runs both
+profiles for a minute on the tiny model in the test suite.
 """
 
 from __future__ import annotations
@@ -55,75 +60,10 @@ from typing import Any
 import aiohttp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-
-
-# ------------------------------------------------------------------ the server side
-
-
-def serve(args: argparse.Namespace) -> None:
-    """`--serve` mode: the app of `lockgate serve`, with a fault-injecting executor."""
-    import faulthandler
-
-    from aiohttp import web
-
-    from lockgate.plugin_api.hookspecs import hookimpl
-    from lockgate.logging import configure_logging
-    from lockgate.plugin_api.manager import get_plugin_manager
-    from lockgate.plugins.tvm import create_executor
-    from lockgate.server.app import create_app
-    from lockgate.server.config import Settings
-
-    fault_log = open(args.fault_log, "a", buffering=1)  # noqa: SIM115 (lives as long as the process)
-
-    class FaultyExecutor:
-        """The real executor, failing every `every`-th forward pass."""
-
-        def __init__(self, real, every: int) -> None:
-            self.real, self.every, self.calls = real, every, 0
-
-        def __getattr__(self, name):
-            return getattr(self.real, name)
-
-        def _maybe_fail(self, kind: str) -> None:
-            self.calls += 1
-            if self.every and self.calls % self.every == 0:
-                fault_log.write(f"{time.time()} {kind}\n")
-                raise RuntimeError(f"injected {kind} fault")
-
-        def prefill(self, seq_ids, token_ids):
-            self._maybe_fail("prefill")
-            return self.real.prefill(seq_ids, token_ids)
-
-        def decode(self, seq_ids, token_ids):
-            self._maybe_fail("decode")
-            return self.real.decode(seq_ids, token_ids)
-
-    class FaultInjection:
-        @hookimpl
-        def lockgate_register_executors(self, register):
-            register("faulty-tvm", lambda model_file, options: FaultyExecutor(
-                create_executor(model_file, options), args.fault_every))
-
-    settings = Settings.from_env(
-        model=args.model_path, served_model_name="soak", port=args.port, executor="faulty-tvm",
-        max_queue=args.max_queue, max_num_seqs=args.max_num_seqs, log_format="json", log_level="warning",
-    )
-    configure_logging(settings.log_format, settings.log_level)
-    faulthandler.enable()
-    app = create_app(settings, pm=get_plugin_manager(plugins=[FaultInjection()]))
-    web.run_app(app, host="127.0.0.1", port=args.port, handler_cancellation=True, access_log=None,
-                shutdown_timeout=5, print=None)
-
-
-# ------------------------------------------------------------------ the client side
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from soak_requests import (  # noqa: E402 (beside this script, not a package)
+    CHAT, COMPLETIONS, MALFORMED, normal_requests, oversized_and_malformed, parse,
+)
 
 
 @dataclasses.dataclass
@@ -153,41 +93,6 @@ class Soak:
 
     # ---- requests of each kind
 
-    def normal_requests(self) -> dict[str, tuple[str, dict[str, Any]]]:
-        """The checked requests: name -> (route, body). Greedy or seeded, so
-        each has one right answer."""
-        chat = [{"role": "user", "content": "Name three colours of the sea, one per line."}]
-        story = "Once upon a time, in a small village by the sea, there lived"
-        return {
-            "chat": (CHAT, {"messages": chat, "max_tokens": 24, "temperature": 0}),
-            "chat-stream": (CHAT, {"messages": chat, "max_tokens": 24, "temperature": 0, "stream": True,
-                                   "stream_options": {"include_usage": True}}),
-            "completion-n2-seeded": (COMPLETIONS, {"prompt": story, "max_tokens": 16, "n": 2,
-                                                   "temperature": 0.9, "seed": 7}),
-            "completion-n2-seeded-stream": (COMPLETIONS, {"prompt": story, "max_tokens": 16, "n": 2,
-                                                          "temperature": 0.9, "seed": 11, "stream": True}),
-            "json-schema": (CHAT, {"messages": [{"role": "user", "content": "A person as JSON."}],
-                                   "max_tokens": 48, "temperature": 0,
-                                   "response_format": {"type": "json_schema",
-                                                       "json_schema": {"name": "p", "schema": SCHEMA}}}),
-            "logprobs-stream": (CHAT, {"messages": chat, "max_tokens": 16, "temperature": 0, "stream": True,
-                                       "logprobs": True, "top_logprobs": 2}),
-            "stop-strings": (COMPLETIONS, {"prompt": story, "max_tokens": 32, "temperature": 0,
-                                           "stop": ["sea,", "\n\n"]}),
-            "slow-reader": (COMPLETIONS, {"prompt": story, "max_tokens": 48, "temperature": 0,
-                                          "stream": True, "ignore_eos": True}),
-        }
-
-    MALFORMED = [
-        (CHAT, b'{"model": "soak", "messages": [{"role": "user", "content": "hi"}], "temperature": 7}', 400),
-        (CHAT, b'{"model": "soak", "messages": [{"role": "user", "content": "a\\ud800"}]}', 400),
-        (CHAT, b'{"model": "soak", "messages": [', 400),
-        (CHAT, b'{"model": "soak", "messages": []}', 400),
-        (COMPLETIONS, b'{"model": "soak", "prompt": [999999999]}', 400),
-        (CHAT, b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', 404),
-        (CHAT, b'{"model": "soak", "messages": [{"role": "user", "content": "hi"}], "n": 1000}', 400),
-    ]
-
     def request_id(self) -> dict[str, str]:
         """A fresh `x-request-id`, remembered for the task's outcome: the
         server logs the ids of the requests an injected fault failed."""
@@ -200,56 +105,11 @@ class Soak:
                                      headers=self.request_id()) as response:
             return response.status, await response.read()
 
-    @staticmethod
-    def parse(route: str, body: dict[str, Any], status: int, data: bytes) -> dict[str, Any]:
-        """An answer as {choices: {index: text}, finish: {index: reason},
-        logprobs: count, error: type or None}, streamed or not."""
-        result: dict[str, Any] = {"status": status, "choices": {}, "finish": {}, "logprobs": 0, "error": None,
-                                  "done": False}
-        if status != 200:
-            try:
-                result["error"] = json.loads(data)["error"]["type"]
-            except (ValueError, KeyError, TypeError):
-                result["error"] = f"not OpenAI's error shape: {data[:200]!r}"
-            return result
-        chat = route == CHAT
-        if body.get("stream"):
-            for line in data.split(b"\n"):
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[len(b"data: "):]
-                if payload == b"[DONE]":
-                    result["done"] = True
-                    continue
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    result["error"] = chunk["error"]["type"]
-                    continue
-                for choice in chunk["choices"]:
-                    text = (choice["delta"].get("content") or "") if chat else choice["text"]
-                    result["choices"][choice["index"]] = result["choices"].get(choice["index"], "") + text
-                    if choice.get("finish_reason"):
-                        result["finish"][choice["index"]] = choice["finish_reason"]
-                    if choice.get("logprobs"):
-                        entries = choice["logprobs"]["content"] if chat else choice["logprobs"]["tokens"]
-                        result["logprobs"] += len(entries)
-            return result
-        answer = json.loads(data)
-        result["done"] = True
-        for choice in answer["choices"]:
-            result["choices"][choice["index"]] = choice["message"]["content"] if chat else choice["text"]
-            result["finish"][choice["index"]] = choice["finish_reason"]
-            if choice.get("logprobs"):
-                entries = choice["logprobs"]["content"] if chat else choice["logprobs"]["tokens"]
-                result["logprobs"] += len(entries)
-        result["usage"] = answer.get("usage")
-        return result
-
     async def take_references(self) -> None:
-        for name, (route, body) in self.normal_requests().items():
+        for name, (route, body) in normal_requests().items():
             for _attempt in range(5):  # an injected fault may hit the reference run too
                 status, data = await self.send(route, body)
-                parsed = self.parse(route, body, status, data)
+                parsed = parse(route, body, status, data)
                 if status == 200 and parsed["error"] is None and parsed["done"]:
                     self.references[name] = parsed
                     break
@@ -257,12 +117,12 @@ class Soak:
                 raise RuntimeError(f"no reference for {name}: {status} {data[:300]!r}")
 
     async def run_normal(self, name: str) -> str:
-        route, body = self.normal_requests()[name]
+        route, body = normal_requests()[name]
         if name == "slow-reader":
             status, data = await self.read_slowly(route, body)
         else:
             status, data = await self.send(route, body)
-        parsed = self.parse(route, body, status, data)
+        parsed = parse(route, body, status, data)
         if status >= 500 or parsed["error"] == "server_error":
             return "fault?"  # decided against the fault log afterwards
         if status == 429:
@@ -294,13 +154,7 @@ class Soak:
             return response.status, b"".join(chunks)
 
     async def run_malformed(self) -> str:
-        route, data, expected = self.rng.choice(self.MALFORMED)
-        async with self.session.post(self.base + route, data=data,
-                                     headers={"Content-Type": "application/json", **self.request_id()}) as response:
-            answer = await response.read()
-        if response.status != expected:
-            return f"VIOLATION: malformed request answered {response.status}, not {expected}: {answer[:200]!r}"
-        return "4xx-expected"
+        return await self.run_malformed_body(*self.rng.choice(MALFORMED))
 
     async def run_over_long(self) -> str:
         prompt = "the sea " * (self.args.context_length * 2)
@@ -310,7 +164,7 @@ class Soak:
         return "4xx-expected"
 
     async def run_disconnect_mid_stream(self) -> str:
-        route, body = self.normal_requests()["chat-stream"]
+        route, body = normal_requests()["chat-stream"]
         async with self.session.post(self.base + route, json={"model": "soak", **body, "max_tokens": 200,
                                                               "ignore_eos": True},
                                      headers=self.request_id()) as response:
@@ -322,6 +176,31 @@ class Soak:
                 await response.content.readline()
             response.close()
         return "aborted-by-client"
+
+    async def run_hang_up(self, after: float) -> str:
+        """A client that opens a long stream and hangs up `after` seconds in."""
+        route, body = normal_requests()["chat-stream"]
+        async with self.session.post(self.base + route, json={"model": "soak", **body, "max_tokens": 400,
+                                                              "ignore_eos": True},
+                                     headers=self.request_id()) as response:
+            if response.status == 429:
+                return "refused-busy"
+            if response.status != 200:
+                return "fault?" if response.status >= 500 else f"VIOLATION: {response.status}"
+            started = time.monotonic()
+            async for _ in response.content:
+                if time.monotonic() - started > after:
+                    break
+            response.close()
+        return "aborted-by-client"
+
+    async def run_malformed_body(self, route: str, data: bytes, expected: int) -> str:
+        async with self.session.post(self.base + route, data=data,
+                                     headers={"Content-Type": "application/json", **self.request_id()}) as response:
+            answer = await response.read()
+        if response.status != expected:
+            return f"VIOLATION: answered {response.status}, not {expected}: {data[:80]!r} -> {answer[:200]!r}"
+        return "4xx-expected"
 
     async def run_disconnect_mid_pipeline(self) -> str:
         host, port = self.base.removeprefix("http://").split(":")
@@ -351,17 +230,29 @@ class Soak:
 
     # ---- the mix
 
-    KINDS = {  # kind -> weight
-        "chat": 6, "chat-stream": 6, "completion-n2-seeded": 3, "completion-n2-seeded-stream": 3,
-        "json-schema": 2, "logprobs-stream": 2, "stop-strings": 3, "slow-reader": 1,
-        "malformed": 4, "over-long": 1, "disconnect-mid-stream": 2, "disconnect-mid-pipeline": 2,
+    #: what a worker sends, by profile: kind -> weight
+    KINDS = {
+        "faults": {
+            "chat": 6, "chat-stream": 6, "completion-n2-seeded": 3, "completion-n2-seeded-stream": 3,
+            "json-schema": 2, "logprobs-stream": 2, "stop-strings": 3, "slow-reader": 1,
+            "malformed": 4, "over-long": 1, "disconnect-mid-stream": 2, "disconnect-mid-pipeline": 2,
+        },
+        # beside its own loops of malformed requests and hang-ups
+        "mixed": {
+            "chat-stream-sampled": 12, "chat-stream": 2, "chat": 2, "completion-n2-seeded-stream": 1,
+            "json-schema": 1, "logprobs-stream": 1, "stop-strings": 1, "slow-reader": 1,
+        },
     }
 
-    async def one(self, kind: str) -> None:
+    async def one(self, kind: str, run=None) -> None:
+        """Send one request of `kind` (with `run`, that coroutine function
+        sends it) and record its outcome."""
         sent: list[str] = []
         self.sent.set(sent)
         try:
-            if kind in self.references:
+            if run is not None:
+                result = await run()
+            elif kind in self.references:
                 result = await self.run_normal(kind)
             elif kind == "malformed":
                 result = await self.run_malformed()
@@ -380,9 +271,32 @@ class Soak:
         self.outcomes.append(Outcome(kind, result, sent))
 
     async def worker(self, deadline: float) -> None:
-        kinds, weights = zip(*self.KINDS.items())
+        kinds, weights = zip(*self.KINDS[self.args.profile].items())
         while time.monotonic() < deadline:
             await self.one(self.rng.choices(kinds, weights)[0])
+
+    async def malformed_loop(self, deadline: float) -> None:
+        """One client sending malformed and oversized requests back to back."""
+        bodies = oversized_and_malformed(self.args.max_body_size)
+        while time.monotonic() < deadline:
+            for route, data, expected in bodies:
+                if time.monotonic() >= deadline:
+                    return
+                await self.one("malformed-or-oversized", lambda: self.run_malformed_body(route, data, expected))
+
+    async def hang_up_waves(self, deadline: float) -> None:
+        """Waves of 8 clients that open long streams and hang up 1.5 s in."""
+        while time.monotonic() < deadline - 2:
+            await asyncio.gather(*(self.one("hang-up", lambda: self.run_hang_up(1.5)) for _ in range(8)))
+            await asyncio.sleep(2)
+
+    async def sampler(self, start: float, deadline: float) -> None:
+        every = self.args.sample_every or max(5.0, self.args.seconds / 10)
+        while True:
+            await asyncio.sleep(min(every, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                return
+            await self.sample(f"{time.monotonic() - start:.0f} s")
 
     async def burster(self, deadline: float) -> None:
         while time.monotonic() < deadline - 5:
@@ -394,12 +308,13 @@ class Soak:
         status = pathlib.Path(f"/proc/{self.pid}/status").read_text()
         field = {line.split(":")[0]: line.split(":")[1].strip() for line in status.splitlines() if ":" in line}
         self.samples[label] = {
+            "at": time.monotonic(),
             "rss_mib": int(field["VmRSS"].split()[0]) / 1024,
             "threads": int(field["Threads"]),
             "fds": len(os.listdir(f"/proc/{self.pid}/fd")),
             **gauges,
         }
-        print(f"[{label}] {self.samples[label]}", flush=True)
+        print(f"[{label}] {({k: v for k, v in self.samples[label].items() if k != 'at'})}", flush=True)
 
     async def gauges(self) -> dict[str, float]:
         # a connection of its own, closed after: the sample counts no idle
@@ -435,11 +350,13 @@ class Soak:
             start = time.monotonic()
             duration = self.args.seconds
             deadline = start + duration
-            tasks = [asyncio.ensure_future(self.worker(deadline)) for _ in range(self.args.concurrency)]
-            tasks.append(asyncio.ensure_future(self.burster(deadline)))
-            await asyncio.sleep(duration / 2)
-            await self.sample("middle")
-            await asyncio.gather(*tasks)
+            self.half = start + duration / 2
+            loops = [self.worker(deadline) for _ in range(self.args.concurrency)]
+            if self.args.profile == "faults":
+                loops.append(self.burster(deadline))
+            else:
+                loops += [self.malformed_loop(deadline), self.hang_up_waves(deadline)]
+            await asyncio.gather(self.sampler(start, deadline), *loops)
         await self.settle()
         await self.sample("end")
         return self.report()
@@ -472,13 +389,15 @@ class Soak:
             table[outcome.kind][result.split(":")[0]] += 1
             if result.startswith("VIOLATION"):
                 violations.append(f"{outcome.kind}: {result}")
-        print(f"\n{len(self.outcomes)} requests in {self.args.seconds:.0f} s at concurrency "
-              f"{self.args.concurrency}; {len(faults)} faults injected (one forward pass in "
-              f"{self.args.fault_every})")
+        print(f"\n{len(self.outcomes)} requests in {self.args.seconds:.0f} s, profile {self.args.profile}, at "
+              f"concurrency {self.args.concurrency}; {len(faults)} faults injected (one forward pass in "
+              f"{self.args.fault_every or 'never'})")
         print(f"{'kind':30} outcomes")
         for kind in sorted(table):
             print(f"{kind:30} {dict(table[kind])}")
-        start, middle, end = self.samples["start"], self.samples["middle"], self.samples["end"]
+        start, end = self.samples["start"], self.samples["end"]
+        # the first sample from half time on: what the second half grew from
+        middle = next((s for s in self.samples.values() if s["at"] >= self.half), end)
         print(f"\n{'':8} {'RSS MiB':>9} {'fds':>5} {'threads':>8} {'running':>8} {'waiting':>8} {'KV pages':>9}")
         for label, sample in self.samples.items():
             print(f"{label:8} {sample['rss_mib']:9.1f} {sample['fds']:5d} {sample['threads']:8d} "
@@ -487,14 +406,16 @@ class Soak:
         if any(end[g] for g in ("requests_running", "requests_waiting", "kv_pages_used")):
             violations.append(f"engine gauges not back to 0 at the end: {end}")
         growth = (end["rss_mib"] - middle["rss_mib"]) / middle["rss_mib"]
-        print(f"RSS growth over the second half: {growth * 100:+.1f} %")
-        if growth > 0.05:
-            violations.append(f"RSS grew {growth * 100:.1f} % over the second half")
+        print(f"RSS growth over the second half: {growth * 100:+.1f} % "
+              f"({middle['rss_mib']:.1f} -> {end['rss_mib']:.1f} MiB)")
+        if growth * 100 > self.args.max_growth:
+            violations.append(f"RSS grew {growth * 100:.1f} % over the second half (at most {self.args.max_growth} %)")
         # the middle holds the clients' connections; start and end hold none
         if end["fds"] > start["fds"] + 2:
             violations.append(f"open file descriptors grew: {start['fds']} at the start, {end['fds']} at the end")
-        if end["threads"] > max(middle["threads"], start["threads"]) + 2:
-            violations.append(f"threads grew: {start['threads']} -> {middle['threads']} -> {end['threads']}")
+        most_threads = max(s["threads"] for label, s in self.samples.items() if label != "end")
+        if end["threads"] > most_threads + 2:
+            violations.append(f"threads grew: {start['threads']} -> {most_threads} -> {end['threads']}")
         print()
         if violations:
             print(f"{len(violations)} VIOLATIONS:")
@@ -529,32 +450,34 @@ def main() -> int:
     duration = parser.add_mutually_exclusive_group()
     duration.add_argument("--minutes", type=float)
     duration.add_argument("--seconds", type=float)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--fault-every", type=int, default=200, help="fail one forward pass in N (0: never)")
+    parser.add_argument("--profile", choices=("mixed", "faults"), default="mixed")
+    parser.add_argument("--concurrency", type=int, help="clients sending normal requests (mixed: 24, faults: 16)")
+    parser.add_argument("--fault-every", type=int,
+                        help="fail one forward pass in N, 0 never (mixed: 0, faults: 200)")
+    parser.add_argument("--sample-every", type=float, help="seconds between samples (default: a tenth of the run)")
+    parser.add_argument("--max-growth", type=float, default=3.0, help="percent RSS may grow over the second half")
+    parser.add_argument("--max-body-size", type=int, default=4 * 1024 * 1024)
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--burst-every", type=float, default=20.0, help="seconds between bursts")
     parser.add_argument("--slow-read-delay", type=float, default=0.05, help="seconds a slow reader waits per line")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model-path", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--fault-log", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve:
-        serve(args)
-        return 0
     args.seconds = args.seconds or (args.minutes or 5) * 60
+    mixed = args.profile == "mixed"
+    args.concurrency = args.concurrency or (24 if mixed else 16)
+    args.fault_every = (0 if mixed else 200) if args.fault_every is None else args.fault_every
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="lockgate-soak-"))
     port = free_port()
     fault_log = workdir / "faults.log"
     log = open(workdir / "server.log", "w")  # noqa: SIM115
     server = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--model-path", model_path(args.model, workdir),
+        [sys.executable, str(ROOT / "benchmarks" / "soak_server.py"), "--model-path", model_path(args.model, workdir),
          "--port", str(port), "--fault-log", str(fault_log), "--fault-every", str(args.fault_every),
-         "--max-queue", str(args.max_queue), "--max-num-seqs", str(args.max_num_seqs)],
+         "--max-queue", str(args.max_queue), "--max-num-seqs", str(args.max_num_seqs),
+         "--max-body-size", str(args.max_body_size)],
         stdout=log, stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"

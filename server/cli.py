@@ -9,6 +9,7 @@ import json
 import signal
 import sys
 
+import pluggy
 from aiohttp import web
 
 from lockgate import __version__
@@ -16,8 +17,9 @@ from lockgate.server.config import Settings, serve_parser, settings_from_args
 from lockgate.settings import InvalidSetting
 
 
-def serve(settings: Settings) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully.
+def serve(settings: Settings, pm: pluggy.PluginManager | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully (`pm`: the
+    plugin manager, built as `create_app` builds it when None).
 
     In-flight requests get `settings.shutdown_grace` seconds to finish; a
     second signal while shutting down is ignored rather than cutting the
@@ -31,15 +33,15 @@ def serve(settings: Settings) -> None:
     # reaches it, the crash leaves every thread's Python stack on stderr
     # rather than nothing at all.
     faulthandler.enable()
-    asyncio.run(_serve(settings))
+    asyncio.run(_serve(settings, pm))
 
 
-async def _serve(settings: Settings) -> None:
+async def _serve(settings: Settings, pm: pluggy.PluginManager | None) -> None:
     from lockgate.server.app import create_app
 
     loop = asyncio.get_running_loop()
     runner = web.AppRunner(
-        create_app(settings),
+        create_app(settings, pm=pm),
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=settings.shutdown_grace,
