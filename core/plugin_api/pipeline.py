@@ -21,7 +21,7 @@ import structlog
 from lockgate.engine import RequestHandle, Work
 from lockgate.engine.structured import Grammar, compile_json_schema
 from lockgate.engine.structured import compile_grammar as compile_lark
-from lockgate.errors import ContextLengthExceeded, InternalError, LockgateError, UnsupportedParameter
+from lockgate.errors import ContextLengthExceeded, InternalError, InvalidSchema, LockgateError, UnsupportedParameter
 from lockgate.models import Model
 from lockgate.plugin_api.request import ChatRequest, CompletionRequest, GenerationRequest
 
@@ -153,7 +153,15 @@ def tool_call_params(request: ChatRequest, model: Model) -> dict:
     max_calls = model.max_tool_calls if request.parallel_tool_calls else 1
     lark = fmt.grammar(request.forced_tools, required=required, max_calls=max_calls)
     if lark is not None:
-        changes["grammar"] = compile_lark(lark, model.tokenizer, eos_token_ids=model.eos_token_ids)
+        try:
+            changes["grammar"] = compile_lark(lark, model.tokenizer, eos_token_ids=model.eos_token_ids)
+        except InvalidSchema as exc:  # each compiled alone: it is their sum
+            field = "tools" if request.tools else "functions"
+            raise InvalidSchema(
+                f"the {len(request.forced_tools)} tools' parameters compile one by one but not together "
+                f"({exc.message}); send fewer tools or smaller schemas",
+                param=field,
+            ) from exc
     return changes
 
 

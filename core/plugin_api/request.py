@@ -345,10 +345,15 @@ def read_arguments(value: Any, where: str) -> str:
     return value
 
 
+#: functions one request may offer (OpenAI's limit)
+MAX_TOOLS = 128
+
+
 def read_tools(value: Any, where: str) -> tuple[Tool, ...]:
     """`tools`: `[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]`."""
     if not isinstance(value, list):
         raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
+    _at_most_max_tools(value, where)
     tools, names = [], set()
     for i, item in enumerate(value):
         at = f"{where}[{i}]"
@@ -365,8 +370,15 @@ def read_functions(value: Any, where: str) -> tuple[Tool, ...]:
     """The deprecated `functions`: `[{"name", "description", "parameters"}]`."""
     if not isinstance(value, list):
         raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
+    _at_most_max_tools(value, where)
     names: set[str] = set()
     return tuple(_function(item, f"{where}[{i}]", names) for i, item in enumerate(value))
+
+
+def _at_most_max_tools(value: list, where: str) -> None:
+    if len(value) > MAX_TOOLS:
+        raise InvalidRequestError(f"{where} holds {len(value)} functions; at most {MAX_TOOLS} are supported",
+                                  param=where)
 
 
 def _function(value: Any, where: str, names: set[str]) -> Tool:
