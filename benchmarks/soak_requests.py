@@ -47,6 +47,14 @@ def normal_requests() -> dict[str, tuple[str, dict[str, Any]]]:
     }
 
 
+#: checked for coming whole (every choice, its finish reason, [DONE]), not
+#: for equal text: a sampled 64-token stream is the same text only while its
+#: steps run in batches of the same shapes (float16 rounds differently in
+#: another, and a near tie taken the other way changes every token after it;
+#: a 30-minute run saw every one of 1,399 differ from the reference taken
+#: alone, all in the same way)
+WHOLE_NOT_EQUAL = frozenset({"chat-stream-sampled"})
+
 #: small malformed requests: (route, body, the status it must get)
 MALFORMED = [
     (CHAT, b'{"model": "soak", "messages": [{"role": "user", "content": "hi"}], "temperature": 7}', 400),
