@@ -10,20 +10,20 @@ an arena can only shrink from its top, and glibc raises its threshold for
 giving large blocks their own mapping to the largest block freed so far. On
 a 2-core server with ordinary streams and a client sending such requests in
 a loop, resident memory grew by hundreds of MiB that glibc reported free
-(`mallinfo2`), never used again, and never levelled off.
+(`mallinfo2`) and kept.
 
 `Trimmer` asks glibc to return those pages (`malloc_trim(0)`, which gives
 back every free page of every arena, not only each arena's top) once such a
-request is over: on a background thread, at most once a `interval`, so a
+request is over: on a background thread, at most once an `interval`, so a
 burst of large requests costs one trim. A trim of a fragmented gigabyte
 takes milliseconds and touches nothing in use. Other allocators (musl,
 jemalloc) return memory their own way: there `Trimmer` does nothing.
 
 Measured alternatives (benchmarks/README.md, "Memory under a mixed load"):
-a fixed `M_MMAP_THRESHOLD` held memory flatter still but sent every
+a fixed `M_MMAP_THRESHOLD` held memory as flat but sent every
 multi-megabyte temporary of sampling (logits copies, float64 softmax rows)
 through mmap and page faults at every step, a quarter of the throughput;
-fewer arenas (`MALLOC_ARENA_MAX=2`) halved the growth, no more.
+two arenas (`MALLOC_ARENA_MAX=2`) kept a third less and contended.
 """
 
 from __future__ import annotations

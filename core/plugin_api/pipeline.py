@@ -168,9 +168,9 @@ def tool_call_params(request: ChatRequest, model: Model) -> dict:
 def _refuse_what_cannot_fit(prompt: str, model: Model) -> None:
     """Refuse a prompt too long to fit the context whatever its tokens,
     before the tokenizer sees it: tokenizing a million characters costs a
-    second of CPU and over 100 MB of transient memory (which, interleaved
-    with the allocations of requests being served, the allocator does not
-    give back), only to count tokens that were never going to fit."""
+    third of a second of CPU and about 25 MB of transient memory (which,
+    between the allocations of requests being served, the allocator keeps),
+    only to count tokens that were never going to fit."""
     fewest = -(-len(prompt) // model.longest_token_chars)
     if fewest >= model.context_length:
         raise ContextLengthExceeded(
