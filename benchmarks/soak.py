@@ -169,21 +169,11 @@ class Soak:
         return "4xx-expected"
 
     async def run_disconnect_mid_stream(self) -> str:
-        route, body = normal_requests()["chat-stream"]
-        async with self.session.post(self.base + route, json={"model": "soak", **body, "max_tokens": 200,
-                                                              "ignore_eos": True},
-                                     headers=self.request_id()) as response:
-            if response.status == 429:
-                return "refused-busy"
-            if response.status != 200:
-                return "fault?" if response.status >= 500 else f"VIOLATION: {response.status}"
-            for _ in range(3):
-                await response.content.readline()
-            response.close()
-        return "aborted-by-client"
+        return await self.run_hang_up(after_lines=3)
 
-    async def run_hang_up(self, after: float) -> str:
-        """A client that opens a long stream and hangs up `after` seconds in."""
+    async def run_hang_up(self, *, after_lines: int | None = None, after_seconds: float | None = None) -> str:
+        """A client that opens a long stream and hangs up: once it has read
+        `after_lines` lines, or `after_seconds` in."""
         route, body = normal_requests()["chat-stream"]
         async with self.session.post(self.base + route, json={"model": "soak", **body, "max_tokens": 400,
                                                               "ignore_eos": True},
@@ -192,9 +182,10 @@ class Soak:
                 return "refused-busy"
             if response.status != 200:
                 return "fault?" if response.status >= 500 else f"VIOLATION: {response.status}"
-            started = time.monotonic()
+            started, lines = time.monotonic(), 0
             async for _ in response.content:
-                if time.monotonic() - started > after:
+                lines += 1
+                if lines == after_lines or after_seconds is not None and time.monotonic() - started > after_seconds:
                     break
             response.close()
         return "aborted-by-client"
@@ -292,7 +283,7 @@ class Soak:
     async def hang_up_waves(self, deadline: float) -> None:
         """Waves of 8 clients that open long streams and hang up 1.5 s in."""
         while time.monotonic() < deadline - 2:
-            await asyncio.gather(*(self.one("hang-up", lambda: self.run_hang_up(1.5)) for _ in range(8)))
+            await asyncio.gather(*(self.one("hang-up", lambda: self.run_hang_up(after_seconds=1.5)) for _ in range(8)))
             await asyncio.sleep(2)
 
     async def sampler(self, start: float, deadline: float) -> None:
