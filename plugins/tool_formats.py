@@ -75,13 +75,18 @@ def _complete_items(text: str, opening: str) -> list:
         items.append(item)
 
 
+#: how the generic envelope opens, with calls or with an answer: what its
+#: grammar writes and what its parser reads a cut output by
+_CALLS_OPENING = '{"tool_calls": ['
+_ANSWER_OPENING = '{"response": "'
+
+
 def _opens_envelope(text: str) -> bool:
-    """Whether `text` is the generic envelope cut short: a start of
-    `{"tool_calls": [` or `{"response": "`, or calls none of which was
-    written out whole."""
+    """Whether `text` is the generic envelope cut short: a start of either
+    opening, or calls none of which was written out whole."""
     text = text.strip()
     return bool(text) and any(
-        opening.startswith(text) or text.startswith(opening) for opening in ('{"tool_calls": [', '{"response": "')
+        opening.startswith(text) or text.startswith(opening) for opening in (_CALLS_OPENING, _ANSWER_OPENING)
     )
 
 
@@ -125,7 +130,8 @@ class GenericFormat(ToolCallFormat):
     def grammar(self, tools, *, required, max_calls):
         # "{" a lexeme of its own: the answer's `%json` opens with one too, and
         # llguidance's lexer does not back off a longer literal it has begun
-        envelope = (lark_string("{"), lark_string('"tool_calls": ['), repeated(CALL, ", ", max_calls), lark_string("]}"))
+        envelope = (lark_string("{"), lark_string(_CALLS_OPENING[1:]), repeated(CALL, ", ", max_calls),
+                    lark_string("]}"))
         calls = " ".join(envelope)
         return calls_grammar(calls if required else f"({calls}) | {lark_json(self._ANSWER)}", tools)
 
@@ -139,10 +145,10 @@ class GenericFormat(ToolCallFormat):
     def parse(self, text):
         obj = _json(text.strip())
         if obj is None:  # cut short (max_tokens): the calls written out whole still count
-            calls = _calls_from(_complete_items(text, '{"tool_calls": ['))
+            calls = _calls_from(_complete_items(text, _CALLS_OPENING))
             if calls:
                 return ParsedOutput(None, calls)
-            answer = _string_prefix(text, '{"response": "')
+            answer = _string_prefix(text, _ANSWER_OPENING)
             if answer is not None:  # and an answer cut short is still the answer
                 return ParsedOutput(answer or None, [])
             if _opens_envelope(text):  # cut before a call or an answer was whole: neither

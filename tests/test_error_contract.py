@@ -210,7 +210,8 @@ async def test_context_length_exceeded(tiny_model, make_client, stream):
 async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(tiny_model, make_client, route, body):
     """Whatever its tokens, a prompt of more characters than the context
     times the longest token's is over the context: no tokenizer run (a
-    million characters cost a second and 100 MB of transient memory)."""
+    million characters cost a third of a second and about 25 MB of
+    transient memory)."""
     tokenized = []
 
     class Spy:

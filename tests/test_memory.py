@@ -4,8 +4,8 @@ memory and the prefix cache's size."""
 
 from __future__ import annotations
 
+import asyncio
 import re
-import time
 
 import pytest
 
@@ -16,29 +16,22 @@ from lockgate.server.keys import TRIMMER
 CHAT = "/v1/chat/completions"
 
 
-def test_trims_are_rate_limited_and_close_stops_the_thread():
+async def test_trims_are_rate_limited_and_close_stops_the_thread():
     trimmer = Trimmer(interval=0.5)
     if not trimmer.available:
         pytest.skip("not glibc: nothing to trim")
     trimmer.after_large_work()
-    until(lambda: trimmer.trims == 1)
+    await wait_for(lambda: trimmer.trims == 1, what="the first trim")
     # asks within the interval after a trim are served by one trim after it
     for _ in range(50):
         trimmer.after_large_work()
-    until(lambda: trimmer.trims == 2)
-    time.sleep(0.7)
+    await wait_for(lambda: trimmer.trims == 2, what="the second trim")
+    await asyncio.sleep(0.7)
     assert trimmer.trims == 2
     trimmer.close()
     assert not trimmer._thread.is_alive()
     trimmer.after_large_work()  # after close: nothing, no error
     assert trimmer.trims == 2
-
-
-def until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "not in time"
-        time.sleep(0.01)
 
 
 async def test_a_large_body_asks_for_a_trim_a_small_one_does_not(tiny_model, make_client):
