@@ -30,7 +30,7 @@ from executor import default_model_path  # noqa: E402
 
 from lockgate.engine.params import SamplingParams  # noqa: E402
 from lockgate.engine.sampling import SamplingRow, make_generator  # noqa: E402
-from lockgate.models.config import LlamaConfig  # noqa: E402
+from lockgate.models.config import ModelConfig  # noqa: E402
 from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
 
 KINDS = {
@@ -103,7 +103,7 @@ def main() -> None:
     from lockgate.plugins.tvm.executor import create_executor
 
     path = args.model or default_model_path()
-    config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
+    config = ModelConfig.from_gguf(gguf.GGUFReader(path))
     batches = [int(b) for b in args.batches.split(",")]
     executors = {
         mode: create_executor(

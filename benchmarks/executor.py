@@ -108,10 +108,10 @@ class LockgateRunner:
         import gguf
 
         from lockgate.models.executor import ExecutorOptions, ModelFile
-        from lockgate.models.config import LlamaConfig
+        from lockgate.models.config import ModelConfig
         from lockgate.plugins.tvm.executor import create_executor
 
-        config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
+        config = ModelConfig.from_gguf(gguf.GGUFReader(path))
         # the server's defaults for whatever is not given
         given = {"target": target, "prefill_chunk_size": prefill_chunk_size}
         options = ExecutorOptions(

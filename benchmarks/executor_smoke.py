@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 
 from lockgate.models.executor import ExecutorOptions, ModelFile
-from lockgate.models.config import LlamaConfig
+from lockgate.models.config import ModelConfig
 
 
 def default_model_path() -> pathlib.Path:
@@ -47,7 +47,7 @@ def main() -> None:
     from lockgate.plugins.tvm.executor import create_executor
 
     path = args.model or default_model_path()
-    config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
+    config = ModelConfig.from_gguf(gguf.GGUFReader(path))
     options = ExecutorOptions(
         max_num_seqs=4,
         max_total_tokens=8192,

@@ -3,7 +3,7 @@ lockgate where no real model is at hand (the offline GPU host: see
 benchmarks/gpu_check.sh).
 
 The files go through the tests' writer (`tests/tiny_model.py`'s
-`write_llama_gguf`: llama.cpp's layout and RoPE permutation, the tiny GPT-2
+`write_model_gguf`: llama.cpp's layout and RoPE permutation, the tiny GPT-2
 tokenizer padded with placeholder tokens to the shape's vocabulary, a ChatML
 template), so `lockgate serve` loads them like any GGUF. Only the source of
 the weights differs: with torch and a CUDA device the weights are drawn and
@@ -31,7 +31,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from tiny_model import TINY_CONFIG, NumpyWeights, tiny_vocab, write_llama_gguf  # noqa: E402
+from tiny_model import TINY_CONFIG, NumpyWeights, tiny_vocab, write_model_gguf  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +158,9 @@ class TorchWeights:
     def norm(self, size: int):
         return 1.0 + 0.1 * self._normal((size,))
 
+    def bias(self, size: int):
+        return 0.1 * self._normal((size,))
+
     def embedding(self, rows: int, cols: int):
         return self._normal((rows, cols)) * 0.2
 
@@ -216,7 +219,7 @@ def write_random_gguf(
     weights = TorchWeights(seed, device) if kind == "torch" else NumpyWeights(seed)
     path = pathlib.Path(path)
     partial = path.with_name(path.name + ".partial")
-    write_llama_gguf(
+    write_model_gguf(
         partial,
         shape.config,
         weights=weights,

@@ -24,7 +24,7 @@ from tiny_model import write_tiny_gguf  # noqa: E402
 
 from lockgate.engine.params import SamplingParams  # noqa: E402
 from lockgate.engine.sampling import SamplingRow, make_generator, sample_batch  # noqa: E402
-from lockgate.models.config import LlamaConfig  # noqa: E402
+from lockgate.models.config import ModelConfig  # noqa: E402
 from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
 
 tvm = pytest.importorskip("tvm")
@@ -204,7 +204,7 @@ def tiny_executor(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("device-sampling")
     path = write_tiny_gguf(d / "tiny.gguf")
-    config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
+    config = ModelConfig.from_gguf(gguf.GGUFReader(path))
     options = ExecutorOptions(
         max_num_seqs=8, max_total_tokens=2048, prefill_chunk_size=128, page_size=16, cache_dir=d / "cache"
     )

@@ -7,7 +7,7 @@ import pytest
 
 from lockgate.errors import ModelLoadError
 from lockgate.models.gguf_metadata import GGUFMetadata
-from lockgate.models.config import LlamaConfig
+from lockgate.models.config import ModelConfig
 from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
 from tiny_model import write_tiny_gguf
 
@@ -23,7 +23,7 @@ def assert_same(path):
         assert mine.shape == tuple(int(d) for d in reference.shape)
         assert mine.ggml_type == int(reference.tensor_type)
         assert ours.data_offset + mine.offset == reference.data_offset
-    assert LlamaConfig.from_gguf(ours) == LlamaConfig.from_gguf(theirs)
+    assert ModelConfig.from_gguf(ours) == ModelConfig.from_gguf(theirs)
     mine, reference = load_tokenizer(ours), load_tokenizer(theirs)
     text = "Hello, world!  naïve café 日本語 🙂 <|im_start|>user\n"
     assert mine.encode(text) == reference.encode(text)

@@ -16,7 +16,7 @@ import pytest
 
 from golden import GREEDY_IDS, PROMPT_IDS
 from lockgate.models.executor import ExecutorOptions, ModelFile
-from lockgate.models.config import LlamaConfig
+from lockgate.models.config import ModelConfig
 
 pytestmark = pytest.mark.default_model
 
@@ -30,7 +30,7 @@ OTHER_PROMPTS = [
 def executor(smollm2_path, smollm2_reader):
     from lockgate.plugins.tvm.executor import create_executor
 
-    config = LlamaConfig.from_gguf(smollm2_reader)
+    config = ModelConfig.from_gguf(smollm2_reader)
     options = ExecutorOptions(
         max_num_seqs=4,
         max_total_tokens=1024,

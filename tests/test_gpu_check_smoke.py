@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import random_gguf  # noqa: E402
 from tiny_model import NumpyWeights  # noqa: E402
 
-from lockgate.models.config import LlamaConfig  # noqa: E402
+from lockgate.models.config import ModelConfig  # noqa: E402
 from lockgate.models.gguf_metadata import GGUFMetadata  # noqa: E402
 from lockgate.models.tokenizer import load_tokenizer  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_random_gguf_is_a_model_lockgate_reads(tmp_path, tensor_type):
     path = random_gguf.write_random_gguf(tmp_path / "m.gguf", SHAPE, tensor_type, seed=5, backend="numpy")
     assert not (tmp_path / "m.gguf.partial").exists()
     metadata = GGUFMetadata(path)
-    config = LlamaConfig.from_gguf(metadata)
+    config = ModelConfig.from_gguf(metadata)
     c = SHAPE.config
     assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim) == (
         c["num_layers"], c["hidden_size"], c["num_heads"], c["num_kv_heads"], c["head_dim"]
@@ -121,7 +121,7 @@ def test_torch_encoders_write_gguf_py_bytes(tmp_path):
 
     np.testing.assert_array_equal(weights.permute(q, 4).numpy(), permute_for_llama_cpp(q.numpy(), 4))
     path = random_gguf.write_random_gguf(tmp_path / "t.gguf", SHAPE, "Q4_0", backend="torch-cpu")
-    assert LlamaConfig.from_gguf(GGUFMetadata(path)).vocab_size == SHAPE.vocab_size
+    assert ModelConfig.from_gguf(GGUFMetadata(path)).vocab_size == SHAPE.vocab_size
 
 
 def test_gpu_check_smoke_run(tmp_path):

@@ -27,11 +27,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from tiny_model import write_tiny_gguf  # noqa: E402
 
-from lockgate.models.config import LlamaConfig  # noqa: E402
+from lockgate.models.config import ModelConfig  # noqa: E402
 
 SM90 = {"kind": "cuda", "arch": "sm_90"}
 
-LLAMA_3_2_1B = LlamaConfig(
+LLAMA_3_2_1B = ModelConfig(
     vocab_size=128256,
     hidden_size=2048,
     intermediate_size=8192,
@@ -45,7 +45,7 @@ LLAMA_3_2_1B = LlamaConfig(
     tie_word_embeddings=True,
 )
 
-LLAMA_3_1_8B = LlamaConfig(
+LLAMA_3_1_8B = ModelConfig(
     vocab_size=128256,
     hidden_size=4096,
     intermediate_size=14336,
@@ -62,7 +62,7 @@ LLAMA_3_1_8B = LlamaConfig(
 _MATMUL_RULES = {"GEMV", "LowBatchGEMV", "Matmul(SIMT)", "Matmul(tensor cores)"}
 
 
-def _q4_formats(config: LlamaConfig) -> dict[str, str]:
+def _q4_formats(config: ModelConfig) -> dict[str, str]:
     """A Q4_0 file as llama.cpp writes one: Q4_0 layers, a Q8_0 head."""
     formats = {"lm_head": "q8_0"}
     for i in range(config.num_layers):
@@ -88,11 +88,11 @@ def _function_of(kernel: str, schedules: dict[str, str]) -> str:
     return base
 
 
-def _weight_bytes(config: LlamaConfig, formats: dict[str, str]) -> int:
+def _weight_bytes(config: ModelConfig, formats: dict[str, str]) -> int:
     """Bytes of the CUDA model's parameters, from their shapes and dtypes."""
     from tvm.target import Target
 
-    from lockgate.plugins.tvm.model import LlamaForCausalLM
+    from lockgate.plugins.tvm.families.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM(config, Target({"kind": "cuda", "arch": "sm_90", "host": {"kind": "llvm"}}), formats)
     total = 0
@@ -108,7 +108,7 @@ def test_cross_compile_for_sm90(tmp_path):
     from lockgate.plugins.tvm.compile import as_target, compile_model
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
-    config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
+    config = ModelConfig.from_gguf(gguf.GGUFReader(path))
     target = as_target(SM90)
     assert target.kind.name == "cuda"
     assert target.host.kind.name == "llvm"

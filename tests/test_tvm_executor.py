@@ -17,11 +17,12 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+from reference_model import read_tensor as _read, reference_logits  # noqa: E402
 from tiny_model import write_tiny_gguf  # noqa: E402
 
 from lockgate.errors import ModelLoadError  # noqa: E402
 from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
-from lockgate.models.config import LlamaConfig  # noqa: E402
+from lockgate.models.config import ModelConfig  # noqa: E402
 from lockgate.models.gguf_metadata import GGUFMetadata  # noqa: E402
 
 PROMPT = [1, 70, 71, 72, 260, 261, 262, 30, 40, 50, 2, 198]
@@ -32,63 +33,6 @@ DECODE_TOKENS = [265, 3, 100, 290]
 #: CPU: the partial outputs are rounded to 11 significant bits, which moves
 #: logits of unit scale by up to ~1e-3 against a prefill in one piece.
 MERGED_TOLERANCE = {"atol": 2e-3, "rtol": 1e-3}
-
-
-# numpy reference -----------------------------------------------------------
-
-
-def _read(reader: gguf.GGUFReader, name: str) -> np.ndarray:
-    t = next(t for t in reader.tensors if t.name == name)
-    shape = tuple(reversed([int(d) for d in t.shape]))
-    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-        values = np.asarray(t.data, dtype=np.float64)
-    else:
-        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
-    return values.reshape(shape)
-
-
-def reference_logits(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
-    """Logits after every token, (len(tokens), vocab), in float64."""
-    reader = gguf.GGUFReader(path)
-    c = LlamaConfig.from_gguf(reader)
-    names = {t.name for t in reader.tensors}
-    embed = _read(reader, "token_embd.weight")
-    head = _read(reader, "output.weight") if "output.weight" in names else embed
-    x = embed[tokens]
-    n, d = len(tokens), c.head_dim
-    pos = np.arange(n)[:, None]
-    inv_freq = c.rope_theta ** (-np.arange(0, d, 2) / d)
-    cos, sin = np.cos(pos * inv_freq), np.sin(pos * inv_freq)
-
-    def rms(v, w):
-        return v / np.sqrt((v * v).mean(-1, keepdims=True) + c.rms_norm_eps) * w
-
-    def rope_interleaved(v):  # (n, heads, d): rotate pairs (2i, 2i+1)
-        even, odd = v[..., 0::2], v[..., 1::2]
-        out = np.empty_like(v)
-        out[..., 0::2] = even * cos[:, None] - odd * sin[:, None]
-        out[..., 1::2] = even * sin[:, None] + odd * cos[:, None]
-        return out
-
-    mask = np.triu(np.full((n, n), -np.inf), 1)
-    group = c.num_heads // c.num_kv_heads
-    for i in range(c.num_layers):
-        p = f"blk.{i}."
-        h = rms(x, _read(reader, p + "attn_norm.weight"))
-        q = rope_interleaved((h @ _read(reader, p + "attn_q.weight").T).reshape(n, c.num_heads, d))
-        k = rope_interleaved((h @ _read(reader, p + "attn_k.weight").T).reshape(n, c.num_kv_heads, d))
-        v = (h @ _read(reader, p + "attn_v.weight").T).reshape(n, c.num_kv_heads, d)
-        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d) + mask
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, -1)
-        x = x + attn @ _read(reader, p + "attn_output.weight").T
-        h = rms(x, _read(reader, p + "ffn_norm.weight"))
-        gate = h @ _read(reader, p + "ffn_gate.weight").T
-        up = h @ _read(reader, p + "ffn_up.weight").T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ _read(reader, p + "ffn_down.weight").T
-    return rms(x, _read(reader, "output_norm.weight")) @ head.T
 
 
 # fixtures ------------------------------------------------------------------
@@ -113,7 +57,7 @@ def tiny_files(tmp_path_factory) -> dict[str, pathlib.Path]:
 def make_executor(path: pathlib.Path, cache: pathlib.Path, **options):
     from lockgate.plugins.tvm.executor import create_executor
 
-    config = LlamaConfig.from_gguf(gguf.GGUFReader(path))
+    config = ModelConfig.from_gguf(gguf.GGUFReader(path))
     opts = {"max_num_seqs": 4, "max_total_tokens": 1024, "prefill_chunk_size": 64, "page_size": 16}
     opts.update(options)
     return create_executor(ModelFile(path, config), ExecutorOptions(cache_dir=cache, **opts))
@@ -396,7 +340,7 @@ def test_weight_errors_are_model_load_errors(tiny_files):
 
     path = tiny_files["F32"]
     metadata = GGUFMetadata(path)
-    config = LlamaConfig.from_gguf(metadata)
+    config = ModelConfig.from_gguf(metadata)
     tensors = GGUFTensors(metadata)  # as the executor reads them
 
     def load(config, params):
@@ -491,7 +435,7 @@ def test_repacked_codes_are_bit_exact(kind, tiny_files):
     reader = gguf.GGUFReader(path)
     fmt = kind.lower()
     tensors = GGUFTensors(path)
-    formats = linear_formats(tensors, LlamaConfig.from_gguf(reader))
+    formats = linear_formats(tensors, ModelConfig.from_gguf(reader))
     assert set(formats.values()) == {fmt}
     checked = 0
     for t in reader.tensors:
@@ -510,7 +454,7 @@ def test_unsupported_or_mixed_types_fall_back_to_f16(tmp_path):
     from lockgate.plugins.tvm.weights import GGUFTensors, linear_formats
 
     path = write_tiny_gguf(tmp_path / "q5.gguf", tensor_type="Q5_0")
-    formats = linear_formats(GGUFTensors(path), LlamaConfig.from_gguf(gguf.GGUFReader(path)))
+    formats = linear_formats(GGUFTensors(path), ModelConfig.from_gguf(gguf.GGUFReader(path)))
     assert set(formats.values()) == {"f16"}
 
 
@@ -554,12 +498,12 @@ def test_gpu_layout_matmul_matches_numpy_on_cpu(kind, tiny_files):
     import tvm
     from tvm import te
 
-    from lockgate.plugins.tvm.model import _gpu_matmul
+    from lockgate.plugins.tvm.layers import _gpu_matmul
     from lockgate.plugins.tvm.weights import GGUFTensors, _linear_arrays, linear_formats
 
     path = tiny_files[kind]
     reader = gguf.GGUFReader(path)
-    config = LlamaConfig.from_gguf(reader)
+    config = ModelConfig.from_gguf(reader)
     tensors = GGUFTensors(path)
     fmt = linear_formats(tensors, config)["layers.1.mlp.down_proj"]
     parts = [("blk.1.ffn_down.weight", config.hidden_size, 0)]

@@ -1,9 +1,13 @@
-"""A tiny random-weight llama GGUF, written the way llama.cpp's converter does.
+"""Tiny random-weight GGUF models, written the way llama.cpp's converter
+writes each family.
 
-The file is a complete model: architecture metadata, GPT-2 byte-level BPE
+A file is a complete model: architecture metadata, GPT-2 byte-level BPE
 tokenizer fields in the same format as the real SmolLM2 GGUF, a ChatML chat
-template, and weights whose Q/K rows carry llama.cpp's RoPE permutation so a
-loader has to undo it exactly as for a real file.
+template, and weights laid out as the converter lays out that architecture:
+for `llama`, Q/K rows carry llama.cpp's RoPE permutation so a loader has to
+undo it exactly as for a real file; `qwen2` adds Q/K/V biases, `qwen3`
+per-head Q/K norms and a head size of its own; `rope_freq_factors` writes
+Llama 3.1's `rope_freqs.weight`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,17 @@ TINY_CONFIG = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True,
 }
+
+#: optional keys of a config, with what they default to
+FAMILY_DEFAULTS = {
+    "architecture": "llama",
+    "attention_bias": False,
+    "qk_norm": False,
+    "rope_freq_factors": None,
+}
+
+#: the architectures whose Q/K rows llama.cpp's converter permutes
+PERMUTED_QK = {"llama"}
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -78,7 +93,7 @@ class NumpyWeights:
     """Random weights drawn with numpy, in the order the writer asks for
     them, and their encoding into GGUF tensor data.
 
-    `write_llama_gguf` takes any object with these five methods, so a
+    `write_model_gguf` takes any object with these six methods, so a
     faster source (benchmarks/random_gguf.py draws on the GPU with torch)
     writes through the same writer.
     """
@@ -93,6 +108,9 @@ class NumpyWeights:
 
     def norm(self, size: int) -> np.ndarray:
         return (1.0 + 0.1 * self.rng.standard_normal(size)).astype(np.float32)
+
+    def bias(self, size: int) -> np.ndarray:
+        return (0.1 * self.rng.standard_normal(size)).astype(np.float32)
 
     def embedding(self, rows: int, cols: int) -> np.ndarray:
         return (self.rng.standard_normal((rows, cols)) * 0.2).astype(np.float32)
@@ -111,7 +129,7 @@ class NumpyWeights:
         return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
 
 
-def write_llama_gguf(
+def write_model_gguf(
     path,
     config: dict,
     *,
@@ -120,8 +138,9 @@ def write_llama_gguf(
     vocab_size: int | None = None,
     name: str = "lockgate tiny test model",
 ) -> pathlib.Path:
-    """Write a llama GGUF of shape `config` (every key of `TINY_CONFIG`)
-    with the tiny tokenizer and `weights`' tensors; returns its path.
+    """Write a GGUF of shape `config` (every key of `TINY_CONFIG`, and any
+    of `FAMILY_DEFAULTS`) with the tiny tokenizer and `weights`' tensors;
+    returns its path.
 
     :param weights: the source of the tensors (`NumpyWeights` or one with
         the same methods); asked for them in file order.
@@ -131,10 +150,11 @@ def write_llama_gguf(
         this size; None keeps it as it is.
     """
     missing = set(TINY_CONFIG) - set(config)
-    unknown = set(config) - set(TINY_CONFIG)
+    unknown = set(config) - set(TINY_CONFIG) - set(FAMILY_DEFAULTS)
     if missing or unknown:
         raise TypeError(f"config keys missing: {sorted(missing)}, unknown: {sorted(unknown)}")
-    cfg = config
+    cfg = {**FAMILY_DEFAULTS, **config}
+    arch = cfg["architecture"]
     path = pathlib.Path(path)
     tokens = tiny_vocab()
     if vocab_size is not None:
@@ -145,7 +165,7 @@ def write_llama_gguf(
     hidden, ffn = cfg["hidden_size"], cfg["intermediate_size"]
     n_head, n_kv, head_dim = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
 
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_name(name)
     writer.add_context_length(cfg["context_length"])
     writer.add_embedding_length(hidden)
@@ -157,6 +177,9 @@ def write_llama_gguf(
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(vocab)
     writer.add_rope_dimension_count(head_dim)
+    if head_dim * n_head != hidden or arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_add_space_prefix(False)
     writer.add_add_bos_token(False)
     writer.add_tokenizer_model("gpt2")
@@ -178,13 +201,31 @@ def write_llama_gguf(
         data, _ = weights.encode(weights.norm(hidden), "F32")
         writer.add_tensor(tensor_name, data)
 
+    def permute(w, heads: int):
+        return weights.permute(w, heads) if arch in PERMUTED_QK else w
+
+    def add_vector(tensor_name: str, values) -> None:
+        if not hasattr(values, "shape"):
+            values = np.asarray(values, dtype=np.float32)
+        data, _ = weights.encode(values, "F32")
+        writer.add_tensor(tensor_name, data)
+
     add("token_embd.weight", weights.embedding(vocab, hidden))
+    if cfg["rope_freq_factors"] is not None:
+        add_vector("rope_freqs.weight", cfg["rope_freq_factors"])
     for i in range(cfg["num_layers"]):
         p = f"blk.{i}."
         add_norm(p + "attn_norm.weight")
-        add(p + "attn_q.weight", weights.permute(weights.linear(n_head * head_dim, hidden), n_head))
-        add(p + "attn_k.weight", weights.permute(weights.linear(n_kv * head_dim, hidden), n_kv))
+        add(p + "attn_q.weight", permute(weights.linear(n_head * head_dim, hidden), n_head))
+        add(p + "attn_k.weight", permute(weights.linear(n_kv * head_dim, hidden), n_kv))
         add(p + "attn_v.weight", weights.linear(n_kv * head_dim, hidden))
+        if cfg["attention_bias"]:
+            add_vector(p + "attn_q.bias", permute(weights.bias(n_head * head_dim), n_head))
+            add_vector(p + "attn_k.bias", permute(weights.bias(n_kv * head_dim), n_kv))
+            add_vector(p + "attn_v.bias", weights.bias(n_kv * head_dim))
+        if cfg["qk_norm"]:
+            add_vector(p + "attn_q_norm.weight", weights.norm(head_dim))
+            add_vector(p + "attn_k_norm.weight", weights.norm(head_dim))
         add(p + "attn_output.weight", weights.linear(hidden, n_head * head_dim))
         add_norm(p + "ffn_norm.weight")
         add(p + "ffn_gate.weight", weights.linear(ffn, hidden))
@@ -204,23 +245,24 @@ def write_llama_gguf(
 def write_tiny_gguf(
     path, *, tensor_type: str = "F32", seed: int = 0, vocab_size: int | None = None, **config_overrides
 ) -> pathlib.Path:
-    """Write a tiny llama GGUF with random weights and return its path.
+    """Write a tiny GGUF with random weights and return its path (a llama
+    unless `architecture` says otherwise).
 
     With `config_overrides` and `vocab_size` the same writer makes a
     random-weight model of any llama shape (benchmarks/random_gguf.py writes
-    real shapes through `write_llama_gguf`, drawing on the GPU when it can).
+    real shapes through `write_model_gguf`, drawing on the GPU when it can).
 
     :param tensor_type: GGML type of the 2-D weights: F32, F16, Q8_0, Q4_0,
         Q4_1 (norms stay F32, as in real files).
     :param seed: seed of the weights.
     :param vocab_size: pad the tiny vocabulary with placeholder tokens up to
         this size; None keeps it as it is.
-    :param config_overrides: any key of `TINY_CONFIG`.
+    :param config_overrides: any key of `TINY_CONFIG` or `FAMILY_DEFAULTS`.
     """
-    unknown = set(config_overrides) - set(TINY_CONFIG)
+    unknown = set(config_overrides) - set(TINY_CONFIG) - set(FAMILY_DEFAULTS)
     if unknown:
         raise TypeError(f"unknown config keys: {sorted(unknown)}")
-    return write_llama_gguf(
+    return write_model_gguf(
         path,
         {**TINY_CONFIG, **config_overrides},
         weights=NumpyWeights(seed),

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from lockgate.engine.sampling import SamplingRow, TokenLogprob, sample_batch
-from lockgate.models.config import LlamaConfig
+from lockgate.models.config import ModelConfig
+from lockgate.models.families import ModelFamily
 from lockgate.models.gguf_metadata import GGUFMetadata
 from lockgate.settings import setting_default
 
@@ -52,7 +53,10 @@ class ModelFile:
     """A model's weights on disk together with its architecture."""
 
     path: Path
-    config: LlamaConfig
+    config: ModelConfig
+    #: the family that runs `config.architecture`; None lets the executor
+    #: look it up among the families it ships
+    family: ModelFamily | None = None
     #: the file's metadata and tensor table as the loader already read them,
     #: so an executor need not parse the header again; None when the caller
     #: did not read them (the executor then reads them from `path`)

@@ -15,7 +15,8 @@ import pluggy
 from lockgate.engine import Engine, EngineOptions
 from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
 from lockgate.models.executor import Executor, ExecutorFactory, ExecutorOptions, ModelFile
-from lockgate.models.config import LlamaConfig
+from lockgate.models.config import ModelConfig
+from lockgate.models.families import ModelFamilies, ModelFamily
 from lockgate.plugin_api.tool_calls import choose_tool_call_format
 from lockgate.settings import setting_default
 
@@ -38,7 +39,7 @@ class Model:
 
     name: str
     path: Path
-    config: LlamaConfig
+    config: ModelConfig
     tokenizer: Any
     eos_token_ids: list[int]
     executor: Executor | None
@@ -106,6 +107,13 @@ def registered_executors(pm: pluggy.PluginManager) -> dict[str, ExecutorFactory]
     return factories
 
 
+def registered_families(pm: pluggy.PluginManager) -> ModelFamilies:
+    """Every model family plugins offer, looked up by architecture."""
+    families = ModelFamilies()
+    pm.hook.lockgate_register_model_families(register=families.add)
+    return families
+
+
 def registered_tool_call_formats(pm: pluggy.PluginManager) -> list[type]:
     """Every tool-call format plugins offer, in the order they are tried."""
     formats: list[type] = []
@@ -121,16 +129,18 @@ class ModelSource:
 
     name: str
     path: Path
-    config: LlamaConfig
+    config: ModelConfig
     metadata: Any
     tokenizer: Any
     eos_token_ids: list[int]
+    #: the family that runs the file's architecture
+    family: ModelFamily | None = None
     aliases: tuple[str, ...] = ()
     tool_call_format: Any = None
     max_tool_calls: int = setting_default("max_tool_calls")
 
     def model_file(self) -> ModelFile:
-        return ModelFile(path=self.path, config=self.config, metadata=self.metadata)
+        return ModelFile(path=self.path, config=self.config, family=self.family, metadata=self.metadata)
 
     def serve_with(self, engine: Any, executor: Executor | None = None) -> Model:
         """The `Model` this source becomes with `engine` serving it
@@ -187,7 +197,8 @@ def open_model(
     # The header is parsed once: the config, the tokenizer and the executor
     # (through `ModelFile.metadata`) all read this copy.
     metadata = GGUFMetadata(path)
-    config = LlamaConfig.from_gguf(metadata)
+    config = ModelConfig.from_gguf(metadata)
+    family = registered_families(pm).for_architecture(config.architecture)
     tokenizer = load_tokenizer(metadata, chat_template=chat_template)
     try:
         tool_format = choose_tool_call_format(formats, tool_call_format, tokenizer.chat_template)
@@ -202,6 +213,7 @@ def open_model(
         path=path,
         config=config,
         metadata=metadata,
+        family=family,
         tokenizer=tokenizer,
         eos_token_ids=eos_ids,
         aliases=aliases,

@@ -16,6 +16,7 @@ engine and the models import `hookimpl` from here):
 * `Work`, `Engine`, `RequestHandle` (`lockgate.engine`).
 * `ErrorResponse` (`lockgate.errors`).
 * `ModelFile`, `ExecutorOptions`, `Executor` (`lockgate.models.executor`).
+* `ModelFamily` (`lockgate.models.families`).
 * `ToolCallFormat` (`lockgate.plugin_api.tool_calls`).
 """
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from lockgate.errors import ErrorResponse
     from lockgate.models import Model, ModelSpec
     from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
+    from lockgate.models.families import ModelFamily
     from lockgate.plugin_api.request import GenerationRequest
     from lockgate.plugin_api.tool_calls import ToolCallFormat
 
@@ -155,6 +157,21 @@ def lockgate_register_executors(
         chooses one by name.
     :returns: nothing; the return value is ignored.
     :raises: `lockgate.errors.ModelLoadError` to stop start-up with a message.
+
+    Every implementation runs.
+    """
+
+
+@hookspec
+def lockgate_register_model_families(register: Callable[[ModelFamily], None]) -> None:
+    """Offer model families: the architectures an executor can build.
+
+    :param register: call `register(ModelFamily(name, architectures,
+        networks={executor_name: network}, ...))`; a GGUF file runs when its
+        `general.architecture` is one a registered family names (the first
+        family to claim an architecture keeps it; built-ins register last).
+    :returns: nothing; the return value is ignored.
+    :raises: nothing by design; an exception stops start-up.
 
     Every implementation runs.
     """

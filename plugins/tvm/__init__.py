@@ -1,12 +1,44 @@
-"""The built-in `tvm` executor plugin.
+"""The built-in `tvm` executor plugin and the model families it builds.
 
 Importing TVM costs about 190 MiB and a few seconds, so this module only
-registers a factory; TVM is imported when an executor is actually created.
+registers a factory and declares the families (their networks are named as
+"module:class" text); TVM is imported when an executor is actually created.
 """
 
 from __future__ import annotations
 
+from lockgate.models.families import ModelFamilies, ModelFamily
 from lockgate.plugin_api.hookspecs import hookimpl
+
+_NETWORKS = "lockgate.plugins.tvm.families"
+
+#: the families the TVM executor builds, as this plugin registers them
+BUILTIN_FAMILIES = (
+    ModelFamily(
+        "llama",
+        ("llama",),
+        networks={"tvm": f"{_NETWORKS}.llama:LlamaForCausalLM"},
+        hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
+        permuted_qk=True,
+    ),
+    ModelFamily(
+        "qwen2",
+        ("qwen2",),
+        networks={"tvm": f"{_NETWORKS}.qwen2:Qwen2ForCausalLM"},
+        hf_architectures=("Qwen2ForCausalLM",),
+    ),
+    ModelFamily(
+        "qwen3",
+        ("qwen3",),
+        networks={"tvm": f"{_NETWORKS}.qwen3:Qwen3ForCausalLM"},
+        hf_architectures=("Qwen3ForCausalLM",),
+    ),
+)
+
+
+def builtin_families() -> ModelFamilies:
+    """The built-in families, for callers that have no plugin manager."""
+    return ModelFamilies(BUILTIN_FAMILIES)
 
 
 def create_executor(model_file, options):
@@ -19,3 +51,9 @@ def create_executor(model_file, options):
 @hookimpl
 def lockgate_register_executors(register):
     register("tvm", create_executor)
+
+
+@hookimpl(trylast=True)
+def lockgate_register_model_families(register):
+    for family in BUILTIN_FAMILIES:
+        register(family)

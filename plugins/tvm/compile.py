@@ -1,4 +1,5 @@
-"""Compile `model.py` for a target and cache the library on disk.
+"""Compile a model family's network (`families/`, built from `decoder.py`
+and `layers.py`) for a target and cache the library on disk.
 
 On `llvm`, `tvm.compile` alone applies neither fusion nor schedules, so the
 relax pipeline is spelled out here, with `CPUMatmul`, a dlight-style rule for
@@ -27,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import os
 import pathlib
@@ -44,7 +46,7 @@ from tvm.s_tir.dlight.analysis.common_analysis import collect_vars_used_in_prim_
 from tvm.s_tir.dlight.base import ScheduleRule, try_inline_contiguous_spatial
 from tvm.target import Target
 
-from lockgate.models.config import LlamaConfig
+from lockgate.models.config import ModelConfig
 
 def default_cache_dir() -> pathlib.Path:
     """`$LOCKGATE_CACHE_DIR`, else `~/.cache/lockgate`."""
@@ -555,14 +557,15 @@ def cuda_pipeline(record: dict[str, str] | None = None, tensor_cores: bool = Fal
     )
 
 
-_SOURCE_FILES = ("model.py", "compile.py", "kernels.py")
+_SOURCE_FILES = ("layers.py", "decoder.py", "rope.py", "compile.py", "kernels.py")
 
 
 def cache_key(
-    config: LlamaConfig,
+    config: ModelConfig,
     target: Target,
     formats: dict[str, str] | None = None,
     max_batch: int | None = None,
+    network: type | None = None,
 ) -> str:
     """Hash of everything the compiled library depends on.
 
@@ -583,12 +586,22 @@ def cache_key(
     h.update(str(getattr(tvm_ffi, "__version__", "")).encode())
     if target.kind.name == "cuda":
         h.update(f"max_batch={max_batch}".encode())
-    for name in _SOURCE_FILES:
-        path = here / name
+    network = network or default_network()
+    sources = [here / name for name in _SOURCE_FILES]
+    sources.append(pathlib.Path(inspect.getsourcefile(network)))
+    h.update(f"{network.__module__}.{network.__qualname__}".encode())
+    for path in sources:
         if path.exists():
-            h.update(name.encode())
+            h.update(path.name.encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:24]
+
+
+def default_network() -> type:
+    """The network of a Llama, for callers that name none."""
+    from lockgate.plugins.tvm.families.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -626,11 +639,12 @@ DEFAULT_MAX_BATCH = 256
 
 
 def build_module(
-    config: LlamaConfig,
+    config: ModelConfig,
     target: Target,
     formats: dict[str, str] | None = None,
     max_batch: int | None = None,
     record: dict[str, str] | None = None,
+    network: type | None = None,
 ):
     """Export the model and compile it: (relax Executable, named params).
 
@@ -638,9 +652,7 @@ def build_module(
     its memory is planned statically and the whole function becomes one
     CUDA graph; `record` receives the rule that scheduled each kernel.
     """
-    from lockgate.plugins.tvm.model import LlamaForCausalLM
-
-    model = LlamaForCausalLM(config, target, formats)
+    model = (network or default_network())(config, target, formats)
     config_: dict = {}
     if target.kind.name == "llvm":
         from lockgate.plugins.tvm.kernels import cpu_attention_kernels
@@ -675,12 +687,13 @@ def build_module(
 
 
 def compile_model(
-    config: LlamaConfig,
+    config: ModelConfig,
     target: Target,
     cache_dir: pathlib.Path | None = None,
     progress: Callable[[str], None] | None = None,
     formats: dict[str, str] | None = None,
     max_batch: int | None = None,
+    network: type | None = None,
 ) -> CompiledModel:
     """The compiled library for (config, target, formats), from the cache or
     built now. On CUDA `max_batch` bounds the decode batch (default
@@ -695,7 +708,7 @@ def compile_model(
     formats = dict(formats or {})
     if target.kind.name == "cuda":
         max_batch = int(max_batch or DEFAULT_MAX_BATCH)
-    key = cache_key(config, target, formats, max_batch)
+    key = cache_key(config, target, formats, max_batch, network)
     library = cache_dir / f"lockgate-{key}.so"
     manifest = cache_dir / f"lockgate-{key}.json"
     if library.exists() and manifest.exists():
@@ -717,7 +730,7 @@ def compile_model(
         progress(f"compiling for {target.kind.name}…")
     started = time.monotonic()
     schedules: dict[str, str] = {}
-    executable, params, dtypes = build_module(config, target, formats, max_batch, schedules)
+    executable, params, dtypes = build_module(config, target, formats, max_batch, schedules, network)
     _write_atomically(library, lambda tmp: executable.export_library(tmp), ".so")
     body = json.dumps(
         {

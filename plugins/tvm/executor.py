@@ -1,4 +1,4 @@
-"""The TVM executor: a compiled Llama model over TVM's paged KV cache."""
+"""The TVM executor: a model family's compiled network over TVM's paged KV cache."""
 
 from __future__ import annotations
 
@@ -96,6 +96,12 @@ class TVMExecutor(Executor):
             tensors = GGUFTensors(source)
         except OSError as exc:
             raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
+        family = model_file.family
+        if family is None:
+            from lockgate.plugins.tvm import builtin_families
+
+            family = builtin_families().for_architecture(config.architecture)
+        self.family = family
         formats = linear_formats(tensors, config)
         cuda = target.kind.name == "cuda"
         self.compiled = compile_model(
@@ -105,6 +111,7 @@ class TVMExecutor(Executor):
             options.progress,
             formats,
             max_batch=options.max_num_seqs if cuda else None,
+            network=family.network("tvm"),
         )
         self.device = tvm.cuda(0) if cuda else tvm.cpu(0)
 
@@ -119,6 +126,7 @@ class TVMExecutor(Executor):
                     options.progress,
                     self.compiled.formats,
                     gpu=cuda,
+                    permuted_qk=family.permuted_qk,
                 )
             ]
         except OSError as exc:

@@ -1,10 +1,11 @@
-"""Read llama weights from a GGUF file into the layout `model.py` expects.
+"""Read a model's weights from a GGUF file into the layout `layers.py` expects.
 
 GGUF stores each matrix in ggml order: `tensor.shape` is (in, out) and the
-data, dequantized, is a row-major (out, in) array. llama.cpp's converter also
-permutes the rows of Q and K for its interleaved-pair RoPE, while the TVM KV
-cache applies the rotate-half RoPE of Hugging Face models, so those rows are
-permuted back here.
+data, dequantized, is a row-major (out, in) array. For the `llama`
+architecture llama.cpp's converter also permutes the rows of Q and K for its
+interleaved-pair RoPE, while the TVM KV cache applies the rotate-half RoPE of
+Hugging Face models, so those rows are permuted back here (`permuted_qk`;
+Qwen and Gemma files are written in rotate-half order already).
 
 On the CPU the linear weights of Q4_0, Q4_1 and Q8_0 files stay quantized:
 their GGUF blocks are repacked bit-exactly into codes plus per-32 scales
@@ -28,7 +29,7 @@ import numpy as np
 
 from lockgate.errors import ModelLoadError
 from lockgate.models.gguf_metadata import GGUFMetadata
-from lockgate.models.config import LlamaConfig
+from lockgate.models.config import ModelConfig
 
 _PLAIN_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
 
@@ -234,15 +235,18 @@ def to_panels(w: np.ndarray, width: int) -> np.ndarray:
     return w.reshape(k, n // width, width).transpose(1, 0, 2)
 
 
-def _linear_sources(c: LlamaConfig, has_output: bool) -> dict[str, list[tuple[str, int, int]]]:
+def _linear_sources(
+    c: ModelConfig, has_output: bool, permuted_qk: bool = True
+) -> dict[str, list[tuple[str, int, int]]]:
     """Each linear module's GGUF tensors as (name, rows, heads to un-permute)."""
     h, q_rows, kv_rows = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q_heads, kv_heads = (c.num_heads, c.num_kv_heads) if permuted_qk else (0, 0)
     sources = {}
     for i in range(c.num_layers):
         p, m = f"blk.{i}.", f"layers.{i}."
         sources[m + "self_attn.qkv_proj"] = [
-            (p + "attn_q.weight", q_rows, c.num_heads),
-            (p + "attn_k.weight", kv_rows, c.num_kv_heads),
+            (p + "attn_q.weight", q_rows, q_heads),
+            (p + "attn_k.weight", kv_rows, kv_heads),
             (p + "attn_v.weight", kv_rows, 0),
         ]
         sources[m + "self_attn.o_proj"] = [(p + "attn_output.weight", h, 0)]
@@ -256,7 +260,7 @@ def _linear_sources(c: LlamaConfig, has_output: bool) -> dict[str, list[tuple[st
     return sources
 
 
-def _in_features(c: LlamaConfig, module: str) -> int:
+def _in_features(c: ModelConfig, module: str) -> int:
     if module.endswith("down_proj"):
         return c.intermediate_size
     if module.endswith("o_proj"):
@@ -264,7 +268,7 @@ def _in_features(c: LlamaConfig, module: str) -> int:
     return c.hidden_size
 
 
-def linear_formats(tensors: GGUFTensors, config: LlamaConfig) -> dict[str, str]:
+def linear_formats(tensors: GGUFTensors, config: ModelConfig) -> dict[str, str]:
     """How each linear module's weight is stored: "f32", "f16", "q8_0",
     "q4_0" or "q4_1", keyed by module name ("layers.3.mlp.down_proj",
     "lm_head").
@@ -285,7 +289,7 @@ def linear_formats(tensors: GGUFTensors, config: LlamaConfig) -> dict[str, str]:
 
 def _linear_arrays(
     t: GGUFTensors,
-    c: LlamaConfig,
+    c: ModelConfig,
     module: str,
     parts: list[tuple[str, int, int]],
     fmt: str,
@@ -325,11 +329,12 @@ def _linear_arrays(
 
 def iter_gguf_weights(
     tensors: GGUFTensors,
-    config: LlamaConfig,
+    config: ModelConfig,
     param_names: Iterable[tuple[str, tuple[int, ...]]],
     progress: Callable[[str], None] | None = None,
     formats: dict[str, str] | None = None,
     gpu: bool = False,
+    permuted_qk: bool = True,
 ) -> Iterator[np.ndarray]:
     """The model's parameters as contiguous arrays, in the given order, one
     at a time, so a caller that copies each to a device never holds the
@@ -343,11 +348,13 @@ def iter_gguf_weights(
         every linear weight as float32 (float16 with `gpu`).
     :param gpu: the CUDA layout of `model.GPULinear`: (out, in) weights,
         packed codes with float16 scales, a float16 embedding table.
+    :param permuted_qk: the file's Q/K rows are in llama.cpp's interleaved
+        RoPE order (`ModelFamily.permuted_qk`) and are put back.
     :raises ModelLoadError: a tensor is missing, mis-shaped or of a type that
         cannot be dequantized.
     """
     c = config
-    sources = _linear_sources(c, "output.weight" in tensors)
+    sources = _linear_sources(c, "output.weight" in tensors, permuted_qk)
     formats = formats or {}
     by_name: dict[str, np.ndarray] = {}
     if not c.tie_word_embeddings:
@@ -367,14 +374,9 @@ def iter_gguf_weights(
             )
             loaded.add(module)
         elif name not in by_name and name.startswith("layers."):
-            i = int(name.split(".")[1])
-            norms = {
-                "input_layernorm.weight": f"blk.{i}.attn_norm.weight",
-                "post_attention_layernorm.weight": f"blk.{i}.ffn_norm.weight",
-            }
-            leaf = name.split(".", 2)[2]
-            if leaf in norms:
-                by_name[name] = tensors.vector(norms[leaf], c.hidden_size)
+            array = _layer_vector(tensors, c, name, permuted_qk)
+            if array is not None:
+                by_name[name] = array.astype(np.float16) if gpu and name.endswith("qkv_bias") else array
         array = by_name.pop(name, None)
         if array is None:
             raise ModelLoadError(f"no GGUF tensor provides parameter {name!r}")
@@ -385,3 +387,36 @@ def iter_gguf_weights(
                 f"parameter {name!r} has shape {list(array.shape)}, the model expects {list(shape)}"
             )
         yield np.ascontiguousarray(array)
+
+
+def _layer_vector(tensors: GGUFTensors, c: ModelConfig, name: str, permuted_qk: bool) -> np.ndarray | None:
+    """A layer's norm weight or bias (float32) by parameter name, None for
+    names that are not one."""
+    i = int(name.split(".")[1])
+    leaf = name.split(".", 2)[2]
+    p = f"blk.{i}."
+    norms = {
+        "input_layernorm.weight": ("attn_norm.weight", c.hidden_size),
+        "post_attention_layernorm.weight": ("ffn_norm.weight", c.hidden_size),
+        "self_attn.q_norm.weight": ("attn_q_norm.weight", c.head_dim),
+        "self_attn.k_norm.weight": ("attn_k_norm.weight", c.head_dim),
+    }
+    if leaf in norms:
+        tensor, size = norms[leaf]
+        values = tensors.vector(p + tensor, size)
+        if permuted_qk and "_norm" in leaf and leaf.startswith("self_attn."):
+            # the norm's features follow the head's rows, permuted with them
+            values = undo_rope_permutation(values, 1)
+        return values
+    if leaf == "self_attn.qkv_bias":
+        parts = [
+            ("attn_q.bias", c.num_heads),
+            ("attn_k.bias", c.num_kv_heads),
+            ("attn_v.bias", 0),
+        ]
+        pieces = []
+        for tensor, heads in parts:
+            values = tensors.vector(p + tensor, (heads or c.num_kv_heads) * c.head_dim)
+            pieces.append(undo_rope_permutation(values, heads) if permuted_qk and heads else values)
+        return np.concatenate(pieces)
+    return None

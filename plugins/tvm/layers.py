@@ -1,13 +1,13 @@
-"""A Llama-family decoder written with `tvm.relax.frontend.nn`.
+"""The layers every model family is built from, written with
+`tvm.relax.frontend.nn`: linear layers in each target's weight layout and
+formats, and RMS norm.
 
 Linear weights are stored (in, out) so the output axis is contiguous in
 memory. On the CPU they are further cut into panels of `panel_width(out)`
-columns, stored (out / panel, in, panel): the matmul schedule in `compile.py`
-walks one panel per thread step, and a contiguous panel streams from memory
-and stays in cache, where the strided columns of a plain (in, out) matrix
-thrash both. The q/k/v and gate/up projections are fused into one weight
-each. With tied embeddings a single head matrix serves as both the LM head
-and, gathered column-wise, the token embedding.
+columns, stored (out / panel, in, panel): the matmul schedule in
+`compile.py` walks one panel per thread step, and a contiguous panel
+streams from memory and stays in cache, where the strided columns of a plain
+(in, out) matrix thrash both.
 
 On CUDA (`GPULinear`) weights are (out, in), the layout dlight's GPU rules
 read along the reduction axis, in float16, and so are the activations and
@@ -28,14 +28,9 @@ would stop TVM from keeping the accumulators in registers.
 
 from __future__ import annotations
 
-from tvm import relax as rx
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
-from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
-from tvm.target import Target
-
-from lockgate.models.config import LlamaConfig
 
 #: the activation dtype on the CPU
 DTYPE = "float32"
@@ -289,7 +284,7 @@ class Linear(nn.Module):
         )
 
 
-def _linear(in_features: int, out_features: int, cpu: bool, fmt: str):
+def linear(in_features: int, out_features: int, cpu: bool, fmt: str):
     """The CPU's paneled `Linear` or CUDA's `GPULinear`."""
     if cpu:
         return Linear(in_features, out_features, fmt)
@@ -309,199 +304,3 @@ class RMSNorm(nn.Module):
             return op.rms_norm(x, self.weight, axes=[-1], epsilon=self.eps)
         y = op.rms_norm(x.astype("float32"), self.weight, axes=[-1], epsilon=self.eps)
         return y.astype(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, cpu: bool, formats: dict) -> None:
-        self.layer_id = layer_id
-        self.act_dtype = DTYPE if cpu else GPU_DTYPE
-        self.kv_dtype = CPU_KV_DTYPE if cpu else GPU_DTYPE
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        p = f"layers.{layer_id}.self_attn."
-        self.qkv_proj = _linear(config.hidden_size, qkv_out, cpu, formats.get(p + "qkv_proj", "f32"))
-        self.o_proj = _linear(
-            config.num_heads * config.head_dim,
-            config.hidden_size,
-            cpu,
-            formats.get(p + "o_proj", "f32"),
-        )
-
-    def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
-        b, s, _ = x.shape
-        qkv = op.reshape(
-            self.qkv_proj(x, row_tile),
-            (b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim),
-        )
-        if self.kv_dtype != self.act_dtype:
-            qkv = qkv.astype(self.kv_dtype)
-        out = kv_cache.attention_with_fused_qkv(
-            self.layer_id, qkv, self.num_heads, sm_scale=self.head_dim**-0.5
-        )
-        if self.kv_dtype != self.act_dtype:
-            out = out.astype(self.act_dtype)
-        return self.o_proj(op.reshape(out, (b, s, self.num_heads * self.head_dim)), row_tile)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, cpu: bool, formats: dict) -> None:
-        p = f"layers.{layer_id}.mlp."
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = _linear(
-            config.hidden_size,
-            2 * config.intermediate_size,
-            cpu,
-            formats.get(p + "gate_up_proj", "f32"),
-        )
-        self.down_proj = _linear(
-            config.intermediate_size, config.hidden_size, cpu, formats.get(p + "down_proj", "f32")
-        )
-
-    def forward(self, x: Tensor, row_tile: int) -> Tensor:
-        gate, up = op.split(self.gate_up_proj(x, row_tile), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up, row_tile)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, layer_id: int, cpu: bool, formats: dict) -> None:
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id, cpu, formats)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_id, cpu, formats)
-
-    def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache, row_tile)
-        return x + self.mlp(self.post_attention_layernorm(x), row_tile)
-
-
-class LlamaForCausalLM(nn.Module):
-    """The exported model.
-
-    Functions (see `export_spec`): `embed(input_ids)`, `batch_prefill(embeds,
-    logit_positions, kv)`, `batch_decode(embeds, kv)`, `decode_one(embeds, kv)`
-    and `create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page)`.
-    """
-
-    def __init__(self, config: LlamaConfig, target: Target, formats: dict | None = None) -> None:
-        self.config = config
-        self.target = target
-        cpu = target.kind.name == "llvm"
-        self.cpu = cpu
-        self.act_dtype = DTYPE if cpu else GPU_DTYPE
-        self.kv_dtype = CPU_KV_DTYPE if cpu else GPU_DTYPE
-        formats = formats or {}
-        if not config.tie_word_embeddings:
-            self.embed_tokens = nn.Parameter((config.vocab_size, config.hidden_size), self.act_dtype)
-        self.layers = nn.ModuleList(
-            [DecoderLayer(config, i, cpu, formats) for i in range(config.num_layers)]
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = _linear(config.hidden_size, config.vocab_size, cpu, formats.get("lm_head", "f32"))
-
-    def embed(self, input_ids: Tensor) -> Tensor:
-        if self.config.tie_word_embeddings:
-            # A strided gather of a few columns of the head costs far less
-            # than keeping a second copy of the matrix.
-            return self.lm_head.columns(input_ids)
-        return op.take(self.embed_tokens, input_ids, axis=0)
-
-    def _body(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
-        for layer in self.layers:
-            x = layer(x, kv_cache, row_tile)
-        return x
-
-    def batch_prefill(
-        self, input_embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache
-    ):
-        hidden = self._body(input_embeds, kv_cache, PREFILL_ROW_TILE)
-        # Only the rows whose logits are wanted go through the norm and head.
-        hidden = op.take(hidden, logit_positions, axis=1)
-        return self.lm_head(self.norm(hidden), 1, "float32"), kv_cache
-
-    def batch_decode(self, input_embeds: Tensor, kv_cache: PagedKVCache):
-        hidden = self._body(input_embeds, kv_cache, DECODE_ROW_TILE)
-        return self.lm_head(self.norm(hidden), DECODE_ROW_TILE, "float32"), kv_cache
-
-    def decode_one(self, input_embeds: Tensor, kv_cache: PagedKVCache):
-        """`batch_decode` for a batch of one (or a few): untiled rows waste
-        no work on padding."""
-        hidden = self._body(input_embeds, kv_cache, 1)
-        return self.lm_head(self.norm(hidden), 1, "float32"), kv_cache
-
-    def create_tir_paged_kv_cache(
-        self,
-        max_batch_size,
-        max_total_seq_len,
-        prefill_chunk_size,
-        page_size,
-    ) -> PagedKVCache:
-        c = self.config
-        return TIRPagedKVCache(
-            attn_kind="mha",
-            max_batch_size=max_batch_size,
-            max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size,
-            page_size=page_size,
-            support_sliding_window=0,
-            layer_partition=rx.ShapeExpr([0, c.num_layers]),
-            num_hidden_layers=c.num_layers,
-            num_attention_heads=c.num_heads,
-            num_key_value_heads=c.num_kv_heads,
-            qk_head_dim=c.head_dim,
-            v_head_dim=c.head_dim,
-            mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL,
-            rope_scale=1,
-            rope_theta=c.rope_theta,
-            rope_scaling={},
-            rope_ext_factors=rx.prim_value(0),
-            rotary_dim=c.head_dim,
-            enable_disaggregation=False,
-            dtype=self.kv_dtype,
-            target=self.target,
-        )
-
-    def export_spec(self) -> dict:
-        """The `export_tvm` spec: packed parameters last, no effects."""
-        hidden = self.config.hidden_size
-        dtype = self.act_dtype
-        packed = {"param_mode": "packed", "effect_mode": "none"}
-        kv = nn.spec.Object(object_type=PagedKVCache)
-        return {
-            "embed": {
-                "input_ids": nn.spec.Tensor(["num_tokens"], "int32"),
-                "$": packed,
-            },
-            "batch_prefill": {
-                "input_embeds": nn.spec.Tensor([1, "num_tokens", hidden], dtype),
-                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
-                "kv_cache": kv,
-                "$": packed,
-            },
-            "batch_decode": {
-                "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dtype),
-                "kv_cache": kv,
-                "$": packed,
-            },
-            # On the CPU the batch stays symbolic even here: with a static
-            # batch of one, dlight's CPU reduction rule recomputes rms_norm
-            # once per column. On CUDA it is static, which is what
-            # `dl.gpu.GEMV` matches (and what a CUDA graph captures).
-            "decode_one": {
-                "input_embeds": nn.spec.Tensor(
-                    ["batch_size" if self.cpu else 1, 1, hidden], dtype
-                ),
-                "kv_cache": kv,
-                "$": packed,
-            },
-            "create_tir_paged_kv_cache": {
-                "max_batch_size": int,
-                "max_total_seq_len": int,
-                "prefill_chunk_size": int,
-                "page_size": int,
-                "$": {"param_mode": "none", "effect_mode": "none"},
-            },
-        }

@@ -1,0 +1,292 @@
+"""The decoder every built-in family shares: pre-norm attention over TVM's
+paged KV cache with fused Q/K/V, a gated MLP, and a tied or separate LM
+head.
+
+What differs between the Llama-shaped families is read from the config:
+Q/K/V biases (Qwen2), per-head Q/K RMS norms (Qwen3), RoPE scaling (Llama
+3.1's per-frequency factors, linear scaling), the rotated share of each
+head. A family whose block differs more (Gemma 3) subclasses the parts.
+
+The q/k/v and gate/up projections are fused into one weight each. With
+tied embeddings a single head matrix serves as both the LM head and,
+gathered column-wise, the token embedding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+from tvm import relax as rx
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.target import Target
+
+from lockgate.models.config import ModelConfig
+from lockgate.plugins.tvm.layers import (
+    CPU_KV_DTYPE,
+    DECODE_ROW_TILE,
+    DTYPE,
+    GPU_DTYPE,
+    PREFILL_ROW_TILE,
+    RMSNorm,
+    linear,
+)
+from lockgate.plugins.tvm.rope import frequency_factor_rope
+
+
+class Attention(nn.Module):
+    """Self-attention: fused Q/K/V projection (plus bias), optional per-head
+    Q/K norms, RoPE and attention in the KV cache, output projection."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, cpu: bool, formats: dict) -> None:
+        self.layer_id = layer_id
+        self.act_dtype = DTYPE if cpu else GPU_DTYPE
+        self.kv_dtype = CPU_KV_DTYPE if cpu else GPU_DTYPE
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        p = f"layers.{layer_id}.self_attn."
+        self.qkv_proj = linear(config.hidden_size, qkv_out, cpu, formats.get(p + "qkv_proj", "f32"))
+        if config.attention_bias:
+            self.qkv_bias = nn.Parameter((qkv_out,), self.act_dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.o_proj = linear(
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            cpu,
+            formats.get(p + "o_proj", "f32"),
+        )
+        self.sm_scale = config.head_dim**-0.5
+
+    def _qkv(self, x: Tensor, row_tile: int) -> Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv_proj(x, row_tile)
+        if hasattr(self, "qkv_bias"):
+            qkv = qkv + self.qkv_bias
+        qkv = op.reshape(qkv, (b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim))
+        if hasattr(self, "q_norm"):
+            q, k, v = op.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
+            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+        return qkv
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
+        b, s, _ = x.shape
+        qkv = self._qkv(x, row_tile)
+        if self.kv_dtype != self.act_dtype:
+            qkv = qkv.astype(self.kv_dtype)
+        out = kv_cache.attention_with_fused_qkv(
+            self.layer_id, qkv, self.num_heads, sm_scale=self.sm_scale
+        )
+        if self.kv_dtype != self.act_dtype:
+            out = out.astype(self.act_dtype)
+        return self.o_proj(op.reshape(out, (b, s, self.num_heads * self.head_dim)), row_tile)
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused; SwiGLU by default."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, cpu: bool, formats: dict) -> None:
+        p = f"layers.{layer_id}.mlp."
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = linear(
+            config.hidden_size,
+            2 * config.intermediate_size,
+            cpu,
+            formats.get(p + "gate_up_proj", "f32"),
+        )
+        self.down_proj = linear(
+            config.intermediate_size, config.hidden_size, cpu, formats.get(p + "down_proj", "f32")
+        )
+
+    def activation(self, gate: Tensor) -> Tensor:
+        return op.silu(gate)
+
+    def forward(self, x: Tensor, row_tile: int) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x, row_tile), 2, axis=-1)
+        return self.down_proj(self.activation(gate) * up, row_tile)
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    attention_class = Attention
+    mlp_class = MLP
+
+    def __init__(self, config: ModelConfig, layer_id: int, cpu: bool, formats: dict) -> None:
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self.attention_class(config, layer_id, cpu, formats)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = self.mlp_class(config, layer_id, cpu, formats)
+
+    def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache, row_tile)
+        return x + self.mlp(self.post_attention_layernorm(x), row_tile)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The exported model.
+
+    Functions (see `export_spec`): `embed(input_ids)`, `batch_prefill(embeds,
+    logit_positions, kv)`, `batch_decode(embeds, kv)`, `decode_one(embeds, kv)`
+    and `create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page)`.
+    A family changes a part by overriding `layer_class`, `embed` or
+    `final_logits`.
+    """
+
+    layer_class = DecoderLayer
+
+    def __init__(self, config: ModelConfig, target: Target, formats: dict | None = None) -> None:
+        self.config = config
+        self.target = target
+        cpu = target.kind.name == "llvm"
+        self.cpu = cpu
+        self.act_dtype = DTYPE if cpu else GPU_DTYPE
+        self.kv_dtype = CPU_KV_DTYPE if cpu else GPU_DTYPE
+        formats = formats or {}
+        if not config.tie_word_embeddings:
+            self.embed_tokens = nn.Parameter((config.vocab_size, config.hidden_size), self.act_dtype)
+        self.layers = nn.ModuleList(
+            [self.layer_class(config, i, cpu, formats) for i in range(config.num_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = linear(config.hidden_size, config.vocab_size, cpu, formats.get("lm_head", "f32"))
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        if self.config.tie_word_embeddings:
+            # A strided gather of a few columns of the head costs far less
+            # than keeping a second copy of the matrix.
+            return self.lm_head.columns(input_ids)
+        return op.take(self.embed_tokens, input_ids, axis=0)
+
+    def _body(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, kv_cache, row_tile)
+        return x
+
+    def final_logits(self, hidden: Tensor, row_tile: int) -> Tensor:
+        """float32 logits of the final hidden states."""
+        return self.lm_head(self.norm(hidden), row_tile, "float32")
+
+    def batch_prefill(
+        self, input_embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache
+    ):
+        hidden = self._body(input_embeds, kv_cache, PREFILL_ROW_TILE)
+        # Only the rows whose logits are wanted go through the norm and head.
+        hidden = op.take(hidden, logit_positions, axis=1)
+        return self.final_logits(hidden, 1), kv_cache
+
+    def batch_decode(self, input_embeds: Tensor, kv_cache: PagedKVCache):
+        hidden = self._body(input_embeds, kv_cache, DECODE_ROW_TILE)
+        return self.final_logits(hidden, DECODE_ROW_TILE), kv_cache
+
+    def decode_one(self, input_embeds: Tensor, kv_cache: PagedKVCache):
+        """`batch_decode` for a batch of one (or a few): untiled rows waste
+        no work on padding."""
+        hidden = self._body(input_embeds, kv_cache, 1)
+        return self.final_logits(hidden, 1), kv_cache
+
+    def rope(self) -> tuple[dict, rx.Expr]:
+        """The KV cache's RoPE scaling: (rope_scaling, rope_ext_factors).
+
+        Llama 3.1's per-frequency divisors go in as the cache's extension
+        factors, the same factors for short and long sequences as TVM lays
+        them out, and `rope.frequency_factor_rope` builds the kernel that
+        reads them: frequency i is θ^(-2i/d) / factor[i], as llama.cpp
+        computes it from `rope_freqs.weight`. The "longrope" type (no
+        attention scaling: maximum length equal to the original) keeps the
+        attention kernels' inline-RoPE code paths, unused here, valid.
+        """
+        c = self.config
+        if c.rope_freq_factors is None:
+            return {}, rx.prim_value(0)
+        factors = np.asarray(c.rope_freq_factors * 2, dtype=np.float32)
+        scaling = {
+            "rope_type": "longrope",
+            "max_position_embeddings": c.context_length,
+            "original_max_position_embeddings": c.context_length,
+        }
+        return scaling, rx.const(factors)
+
+    def create_tir_paged_kv_cache(
+        self,
+        max_batch_size,
+        max_total_seq_len,
+        prefill_chunk_size,
+        page_size,
+    ) -> PagedKVCache:
+        c = self.config
+        rope_scaling, rope_ext_factors = self.rope()
+        build = frequency_factor_rope() if c.rope_freq_factors else contextlib.nullcontext()
+        with build:
+            return TIRPagedKVCache(
+                attn_kind="mha",
+                max_batch_size=max_batch_size,
+                max_total_seq_len=max_total_seq_len,
+                prefill_chunk_size=prefill_chunk_size,
+                page_size=page_size,
+                support_sliding_window=0,
+                layer_partition=rx.ShapeExpr([0, c.num_layers]),
+                num_hidden_layers=c.num_layers,
+                num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads,
+                qk_head_dim=c.head_dim,
+                v_head_dim=c.head_dim,
+                mla_original_qk_head_dim=0,
+                mla_original_v_head_dim=0,
+                rope_mode=RopeMode.NORMAL,
+                rope_scale=c.rope_scale,
+                rope_theta=c.rope_theta,
+                rope_scaling=rope_scaling,
+                rope_ext_factors=rope_ext_factors,
+                rotary_dim=c.rotary_dim,
+                enable_disaggregation=False,
+                dtype=self.kv_dtype,
+                target=self.target,
+            )
+
+    def export_spec(self) -> dict:
+        """The `export_tvm` spec: packed parameters last, no effects."""
+        hidden = self.config.hidden_size
+        dtype = self.act_dtype
+        packed = {"param_mode": "packed", "effect_mode": "none"}
+        kv = nn.spec.Object(object_type=PagedKVCache)
+        return {
+            "embed": {
+                "input_ids": nn.spec.Tensor(["num_tokens"], "int32"),
+                "$": packed,
+            },
+            "batch_prefill": {
+                "input_embeds": nn.spec.Tensor([1, "num_tokens", hidden], dtype),
+                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                "kv_cache": kv,
+                "$": packed,
+            },
+            "batch_decode": {
+                "input_embeds": nn.spec.Tensor(["batch_size", 1, hidden], dtype),
+                "kv_cache": kv,
+                "$": packed,
+            },
+            # On the CPU the batch stays symbolic even here: with a static
+            # batch of one, dlight's CPU reduction rule recomputes rms_norm
+            # once per column. On CUDA it is static, which is what
+            # `dl.gpu.GEMV` matches (and what a CUDA graph captures).
+            "decode_one": {
+                "input_embeds": nn.spec.Tensor(
+                    ["batch_size" if self.cpu else 1, 1, hidden], dtype
+                ),
+                "kv_cache": kv,
+                "$": packed,
+            },
+            "create_tir_paged_kv_cache": {
+                "max_batch_size": int,
+                "max_total_seq_len": int,
+                "prefill_chunk_size": int,
+                "page_size": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }

@@ -1,0 +1,101 @@
+"""RoPE with per-frequency divisors, for the KV cache's Q/K rotation.
+
+Llama 3.1 and later ship their RoPE scaling as `rope_freqs.weight`: one
+divisor per rotated frequency, so frequency i is θ^(-2i/d) / factor[i]
+(llama.cpp's `freq_factors`). TVM's KV cache takes such factors as its
+`rope_ext_factors` buffer and hands them to its rotation kernel as the
+sixth argument, but TVM 0.27's only kernel that reads them (LongRoPE's)
+fails to parse (it tests a buffer for truth). `frequency_factor_rope` has
+the cache build this kernel instead, which rotates halves (the layout the
+weight loader produces) with the factors the buffer holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+
+def rope_with_frequency_factors(
+    theta: float,
+    scale: float,
+    head_dim: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    dtype: str,
+    rope_scaling: dict,
+    rotary_dim: int | None = None,
+):
+    """The cache's `tir_split_rotary` kernel, with the signature of
+    `llama_rope_with_position_map`: split fused Q/K/V into q, k, v and
+    rotate the first `rotary_dim` features of q and k by their positions.
+
+    `factors` holds `rotary_dim` values, the divisors of the `rotary_dim / 2`
+    frequencies twice over (TVM's layout for long and short factors).
+    """
+    del rope_scaling  # the factors arrive at run time
+    rotary_dim = rotary_dim or head_dim
+    half = rotary_dim // 2
+    fused_heads = num_q_heads + 2 * num_kv_heads
+
+    def rotated(qkv, s, h, d, position, factors):
+        i = d % half
+        exponent = (2 * i).astype("float32") / tirx.const(rotary_dim, "float32")
+        angle = (position.astype("float32") * tirx.const(scale, "float32")) / (
+            factors[i] * tirx.power(tirx.const(theta, "float32"), exponent)
+        )
+        partner = tirx.if_then_else(d < half, -qkv[s, h, d + half], qkv[s, h, d - half])
+        value = tirx.cos(angle) * qkv[s, h, d].astype("float32") + tirx.sin(angle) * partner.astype("float32")
+        return value.astype(dtype)
+
+    @T.prim_func(s_tir=True)
+    def fused_rope_with_factors(
+        var_qkv: T.handle,
+        var_position_map: T.handle,
+        var_q: T.handle,
+        var_k: T.handle,
+        var_v: T.handle,
+        factors: T.Buffer((rotary_dim,), "float32"),  # type: ignore
+    ):
+        T.func_attr({"op_pattern": 8, "tirx.noalias": True})
+        seq_len = T.int32()
+        position_map_elem_offset = T.int32()
+        qkv = T.match_buffer(var_qkv, (seq_len, fused_heads, head_dim), dtype)
+        q = T.match_buffer(var_q, (seq_len, num_q_heads, head_dim), dtype)
+        k = T.match_buffer(var_k, (seq_len, num_kv_heads, head_dim), dtype)
+        v = T.match_buffer(var_v, (seq_len, num_kv_heads, head_dim), dtype)
+        position_map = T.match_buffer(
+            var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset
+        )
+        for iters in T.grid(seq_len, fused_heads, head_dim):
+            with T.sblock("llama_fused_rope"):
+                s, h, d = T.axis.remap("SSS", iters)
+                if h < num_q_heads:
+                    q[s, h, d] = T.if_then_else(
+                        d < rotary_dim, rotated(qkv, s, h, d, position_map[s], factors), qkv[s, h, d]
+                    )
+                elif h < num_q_heads + num_kv_heads:
+                    k[s, h - num_q_heads, d] = T.if_then_else(
+                        d < rotary_dim, rotated(qkv, s, h, d, position_map[s], factors), qkv[s, h, d]
+                    )
+                else:
+                    v[s, h - (num_q_heads + num_kv_heads), d] = qkv[s, h, d]
+
+    return fused_rope_with_factors
+
+
+@contextlib.contextmanager
+def frequency_factor_rope():
+    """Have a `TIRPagedKVCache` built in the block rotate with
+    `rope_with_frequency_factors` (the cache looks the factory up as a
+    module global when it is constructed)."""
+    from tvm.relax.frontend.nn.llm import kv_cache
+
+    original = kv_cache.llama_rope_with_position_map
+    kv_cache.llama_rope_with_position_map = rope_with_frequency_factors
+    try:
+        yield
+    finally:
+        kv_cache.llama_rope_with_position_map = original

@@ -1,0 +1,96 @@
+"""An independent numpy forward pass of a GGUF file, as llama.cpp computes it.
+
+Weights are used in the file's own row order: for `llama` files llama.cpp's
+RoPE rotates interleaved pairs (2i, 2i+1) of the permuted rows, for Qwen
+files it rotates halves (NeoX order). Q/K/V biases, per-head Q/K norms and
+Llama 3.1's per-frequency RoPE divisors (`rope_freqs.weight`) are applied
+where the file has them. Executors that undo the permutation and rotate
+halves must agree with it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import gguf
+import numpy as np
+
+from lockgate.models.config import ModelConfig
+
+#: architectures whose RoPE llama.cpp applies to interleaved pairs
+INTERLEAVED_ROPE = {"llama"}
+
+
+def read_tensor(reader: gguf.GGUFReader, name: str) -> np.ndarray:
+    """A tensor of the file, dequantized, in float64, shaped (out, in)."""
+    t = next(t for t in reader.tensors if t.name == name)
+    shape = tuple(reversed([int(d) for d in t.shape]))
+    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        values = np.asarray(t.data, dtype=np.float64)
+    else:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+    return values.reshape(shape)
+
+
+def reference_logits(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
+    """Logits after every token, (len(tokens), vocab), in float64."""
+    reader = gguf.GGUFReader(path)
+    c = ModelConfig.from_gguf(reader)
+    names = {t.name for t in reader.tensors}
+
+    def weight(name: str) -> np.ndarray:
+        return read_tensor(reader, name)
+
+    embed = weight("token_embd.weight")
+    head = weight("output.weight") if "output.weight" in names else embed
+    x = embed[tokens]
+    n, d, r = len(tokens), c.head_dim, c.rotary_dim
+    pos = np.arange(n)[:, None] * c.rope_scale
+    inv_freq = c.rope_theta ** (-np.arange(0, r, 2) / r)
+    if c.rope_freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(c.rope_freq_factors)
+    cos, sin = np.cos(pos * inv_freq)[:, None], np.sin(pos * inv_freq)[:, None]
+
+    def rms(v, w):
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + c.rms_norm_eps) * w
+
+    def rope(v):  # (n, heads, d)
+        out = v.copy()
+        if c.architecture in INTERLEAVED_ROPE:
+            even, odd = v[..., 0:r:2], v[..., 1:r:2]
+            out[..., 0:r:2] = even * cos - odd * sin
+            out[..., 1:r:2] = even * sin + odd * cos
+        else:
+            first, second = v[..., : r // 2], v[..., r // 2 : r]
+            out[..., : r // 2] = first * cos - second * sin
+            out[..., r // 2 : r] = first * sin + second * cos
+        return out
+
+    def project(h, p: str, part: str, heads: int):
+        y = h @ weight(f"{p}attn_{part}.weight").T
+        if f"{p}attn_{part}.bias" in names:
+            y = y + weight(f"{p}attn_{part}.bias")
+        y = y.reshape(n, heads, d)
+        if f"{p}attn_{part}_norm.weight" in names:
+            y = rms(y, weight(f"{p}attn_{part}_norm.weight"))
+        return y
+
+    mask = np.triu(np.full((n, n), -np.inf), 1)
+    group = c.num_heads // c.num_kv_heads
+    for i in range(c.num_layers):
+        p = f"blk.{i}."
+        h = rms(x, weight(p + "attn_norm.weight"))
+        q = rope(project(h, p, "q", c.num_heads))
+        k = rope(project(h, p, "k", c.num_kv_heads))
+        v = project(h, p, "v", c.num_kv_heads)
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d) + mask
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, -1)
+        x = x + attn @ weight(p + "attn_output.weight").T
+        h = rms(x, weight(p + "ffn_norm.weight"))
+        gate = h @ weight(p + "ffn_gate.weight").T
+        up = h @ weight(p + "ffn_up.weight").T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ weight(p + "ffn_down.weight").T
+    return rms(x, weight("output_norm.weight")) @ head.T
