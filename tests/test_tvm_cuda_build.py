@@ -227,3 +227,41 @@ def test_weight_memory_of_8b_and_1b_shapes():
     f16_1b = _weight_bytes(LLAMA_3_2_1B, {})
     assert 2.2 * gib < f16_1b < 2.4 * gib, f16_1b / gib
     assert q4_1b < 0.45 * f16_1b, (q4_1b / gib, f16_1b / gib)
+
+
+#: a small shape of each built-in family's distinctive parts, with the
+#: dimensions dlight's GPU rules expect of real models (multiples of 64)
+FAMILY_SHAPES = {
+    "llama3-rope-scaling": {"rope_freq_factors": [1.0] * 8 + [1.5, 2.5, 4.0, 8.0] + [8.0] * 20},
+    "qwen2": {"architecture": "qwen2", "attention_bias": True},
+    "qwen3": {"architecture": "qwen3", "qk_norm": True, "head_dim": 128},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_SHAPES))
+def test_each_family_cross_compiles_for_sm90_with_named_rules(family, tmp_path):
+    """Every family's kernels (bias adds, per-head norms, the RoPE kernel
+    with frequency factors) get a named rule, none Fallback, in f16 and
+    with packed Q4_0 weights."""
+    from lockgate.plugins.tvm import builtin_families
+    from lockgate.plugins.tvm.compile import as_target, compile_model
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
+    shape.update(FAMILY_SHAPES[family])
+    path = write_tiny_gguf(tmp_path / f"{family}.gguf", tensor_type="F16", vocab_size=512, **shape)
+    config = ModelConfig.from_gguf(gguf.GGUFReader(path))
+    network = builtin_families().for_architecture(config.architecture).network("tvm")
+    for weights, formats in (("f16", {}), ("q4_0", _q4_formats(config))):
+        compiled = compile_model(
+            config, as_target(SM90), tmp_path / "cache", formats=formats, max_batch=8, network=network
+        )
+        unscheduled = [f for f, rule in compiled.schedules.items() if rule in ("Fallback", "unscheduled")]
+        assert not unscheduled, (weights, compiled.schedules)
+        kernels = _kernels(compiled.library)
+        if config.rope_freq_factors:
+            rope = [source for name, (_, source) in kernels.items() if "rope" in name]
+            assert rope and all("factors" in source for source in rope), sorted(kernels)
+        if config.qk_norm:
+            assert "layers.0.self_attn.q_norm.weight" in dict(compiled.params)
+        if config.attention_bias:
+            assert compiled.dtypes["layers.0.self_attn.qkv_bias"] == "float16"

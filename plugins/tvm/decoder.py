@@ -18,6 +18,7 @@ import contextlib
 
 import numpy as np
 from tvm import relax as rx
+from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
@@ -34,6 +35,31 @@ from lockgate.plugins.tvm.layers import (
     linear,
 )
 from lockgate.plugins.tvm.rope import frequency_factor_rope
+
+
+def _qk_norm_te(qkv: te.Tensor, wq: te.Tensor, wk: te.Tensor, q_heads: int, eps: float) -> te.Tensor:
+    """Per-head RMS norm of the Q heads (weight `wq`) and the K heads
+    (`wk`) of fused (b, s, heads, d) Q/K/V, V heads passed through, in one
+    kernel: splitting Q, K and V apart and joining them again would cost
+    two copies, and CUDA's schedule rules take neither a split nor a concat.
+    """
+    b, s, heads, d = qkv.shape
+    d, kv_heads = int(d), (int(heads) - q_heads) // 2
+    k = te.reduce_axis((0, d), name="k")
+    squares = te.compute(
+        (b, s, heads),
+        lambda i, j, h: te.sum(qkv[i, j, h, k].astype("float32") * qkv[i, j, h, k].astype("float32"), axis=k),
+        name="qk_norm_squares",
+    )
+
+    def normed(i, j, h, f):
+        x = qkv[i, j, h, f].astype("float32")
+        scale = tirx.rsqrt(squares[i, j, h] / tirx.const(float(d), "float32") + tirx.const(eps, "float32"))
+        weight = tirx.Select(h < q_heads, wq[f], wk[f])
+        out = tirx.Select(h < q_heads + kv_heads, x * scale * weight, x)
+        return out.astype(qkv.dtype)
+
+    return te.compute(qkv.shape, normed, name="qk_norm")
 
 
 class Attention(nn.Module):
@@ -70,8 +96,12 @@ class Attention(nn.Module):
             qkv = qkv + self.qkv_bias
         qkv = op.reshape(qkv, (b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim))
         if hasattr(self, "q_norm"):
-            q, k, v = op.split(qkv, [self.num_heads, self.num_heads + self.num_kv_heads], axis=2)
-            qkv = op.concat([self.q_norm(q), self.k_norm(k), v], dim=2)
+            heads, eps = self.num_heads, self.q_norm.eps
+            qkv = op.tensor_expr_op(
+                lambda x, wq, wk: _qk_norm_te(x, wq, wk, heads, eps),
+                "qk_norm",
+                [qkv, self.q_norm.weight, self.k_norm.weight],
+            )
         return qkv
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
