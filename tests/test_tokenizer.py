@@ -162,8 +162,9 @@ def test_special_tokens(smollm2):
 @pytest.mark.default_model
 def test_eos_token_ids_of_smollm2(smollm2_reader, smollm2):
     ids = eos_token_ids(smollm2_reader, smollm2)
-    # EOS (<|im_end|>) first; <|endoftext|> also ends generation, as in llama.cpp.
-    assert ids == [2, 0]
+    # EOS (<|im_end|>) first; <|endoftext|> and the fill-in-the-middle
+    # repository token <reponame> also end generation, as in llama.cpp.
+    assert ids == [2, 0, 4]
 
 
 # --- Small GGUF files written by the tests themselves ----------------------------------------
@@ -222,9 +223,10 @@ def pieces(tokenizer, text: str) -> list[str]:
 
 
 def test_unsupported_tokenizer_model_is_a_load_error(tmp_path):
-    path = write_tokenizer_gguf(tmp_path / "spm.gguf", model="llama", pre=None)
-    with pytest.raises(ModelLoadError, match="unsupported tokenizer model 'llama'"):
+    path = write_tokenizer_gguf(tmp_path / "bert.gguf", model="bert", pre=None)
+    with pytest.raises(ModelLoadError, match="unsupported tokenizer model 'bert'") as info:
         load(path)
+    assert "'llama' (SentencePiece)" in str(info.value)
 
 
 def test_missing_merges_are_a_load_error(tmp_path):
@@ -239,7 +241,7 @@ def test_missing_tokenizer_is_a_load_error(tmp_path):
         load(path)
 
 
-@pytest.mark.parametrize("pre", ["deepseek-llm", None])
+@pytest.mark.parametrize("pre", ["chatglm-bpe", None])
 def test_unsupported_pre_tokenizer_is_a_load_error(tmp_path, pre):
     path = write_tokenizer_gguf(tmp_path / "pre.gguf", pre=pre)
     with pytest.raises(ModelLoadError, match="unsupported pre-tokenizer") as info:

@@ -1,124 +1,225 @@
 """The model's tokenizer, built from a GGUF file's metadata alone.
 
-llama.cpp's converter stores a byte-level BPE tokenizer as plain arrays
-(`tokenizer.ggml.tokens`, `.token_type`, `.merges`) plus the name of the
-pre-tokenizer (`tokenizer.ggml.pre`), whose split rules live in llama.cpp's
-source rather than in the file. This module rebuilds the same tokenizer with
-the `tokenizers` package and wraps it as a transformers fast tokenizer, so the
-chat template and the rest of the pipeline use the familiar API. It never uses
-transformers' own GGUF loader, which imports torch.
+llama.cpp's converter stores a tokenizer as plain arrays (`tokenizer.ggml.tokens`,
+`.token_type`, `.scores`, `.merges`) plus the name of its kind
+(`tokenizer.ggml.model`) and, for byte-level BPE, of the pre-tokenizer
+(`tokenizer.ggml.pre`), whose split rules live in llama.cpp's source rather
+than in the file. This module rebuilds the tokenizer llama.cpp runs for those
+arrays with the `tokenizers` package and wraps it as a transformers fast
+tokenizer, so the chat template and the rest of the pipeline use the familiar
+API. Three kinds are supported:
+
+- ``gpt2``: byte-level BPE (Llama 3, Qwen2/2.5/3, Mistral Nemo's tekken,
+  SmolLM, StarCoder, DeepSeek, Command-R, Falcon, MPT, GPT-2), with the
+  pre-tokenizers in `SUPPORTED_PRE_TOKENIZERS`;
+- ``llama``: SentencePiece BPE with byte fallback (Llama 2, Mistral 7B,
+  Phi-3, Gemma 1-3);
+- ``gemma4``: Gemma 4's BPE over SentencePiece-style text.
+
+The SentencePiece kinds take their BPE model (the vocabulary, the merges
+recovered from the scores or read from the file, byte fallback) from
+transformers' GGUF tokenizer converter; everything around it follows
+llama.cpp (`src/llama-vocab.cpp`), where the converter does otherwise. Nothing
+here imports torch.
+
+The test vectors llama.cpp ships with its vocabularies check all of this
+(`tests/test_tokenizer_vectors.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import re
+from collections.abc import Mapping, Sequence
 
 import gguf
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from lockgate.errors import ModelLoadError
 
-__all__ = ["eos_token_ids", "load_tokenizer", "SUPPORTED_PRE_TOKENIZERS", "TokenBytes"]
+__all__ = [
+    "eos_token_ids",
+    "load_tokenizer",
+    "SUPPORTED_PRE_TOKENIZERS",
+    "SUPPORTED_TOKENIZER_MODELS",
+    "TokenBytes",
+]
 
-# GPT-2's split: contractions, letters, numbers, other symbols, each with an
-# optional leading space, and runs of whitespace. llama.cpp writes it without
-# the final `\s+`; the text that alternative would match is kept as its own
-# piece by llama.cpp anyway, so the splits agree.
-_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# --- Split rules of byte-level BPE, as llama.cpp's llm_tokenizer_bpe has them ------------------
+#
+# llama.cpp applies a list of regexes in turn, each cutting the pieces the
+# previous ones left into matches and the text between them: a `Split` with
+# behaviour "isolated" per regex. Where llama.cpp rewrote a tokenizer.json
+# regex for std::regex, its rewrite is used (it is what the .out vectors
+# hold): `(?i:'s)` spelled out as `'[sS]` (Oniguruma would also fold "'ſ"), and
+# tekken's `\p{Lu}`-style classes replaced by lookaheads that count every
+# letter outside a-z as upper case and every letter outside A-Z as lower case.
 
-# Llama 3's split: case-insensitive contractions, letters with one leading
-# non-letter, numbers in groups of up to three, symbols with trailing
-# newlines, then whitespace.
-_LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+
+# GPT-2: llama.cpp leaves out the final `\s+`; the text that alternative
+# would match becomes a piece of its own between matches anyway.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+
+_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
 )
+_QWEN2 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"
+    r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# The cased letters of the scripts DeepSeek's tokenizer treats as words, as
+# llama.cpp lists them (escaped, so that no editor normalises them).
+_DEEPSEEK_LETTERS = (
+    "\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1"
+    "\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5"
+    "\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a"
+    "\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d"
+    "\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3"
+    "\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115"
+    "\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f"
+    "\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3"
+    "\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf"
+    "\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f"
+    "\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2"
+    "\U000118a0-\U000118df\U0001e900-\U0001e943"
+)
+# CJK ideographs, U+0800-U+4E00 and Hangul syllables, as llama.cpp has them.
+_DEEPSEEK_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_DEEPSEEK_LLM = (
+    r"[\r\n]",
+    r"\s?[A-Za-z" + _DEEPSEEK_LETTERS + "]+",
+    r"\s?[!-/:-~" + "\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    # `$` is the end of the piece: the first rule left no newline inside one
+    r"\s+$",
+    _DEEPSEEK_CJK,
+    r"\p{N}+",
+)
+_DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK, r"\p{N}")
+_FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")
+_STARCODER = (r"\p{N}", _GPT2)
 
 
 @dataclasses.dataclass(frozen=True)
 class _PreTokenizerSpec:
     """How one family of llama.cpp pre-types splits text before BPE."""
 
-    build: Callable[[], pre_tokenizers.PreTokenizer]
+    #: llama.cpp's `regex_exprs`, applied in order
+    splits: tuple[str, ...]
+    #: a whole pre-tokenized word that is in the vocabulary is one token
     ignore_merges: bool = False
+    #: whether BOS is added when the file does not say (`add_bos_token`)
     default_add_bos: bool = False
 
 
-def _gpt2_pre_tokenizer():
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _starcoder_pre_tokenizer():
-    # llama.cpp first isolates every single digit, then applies GPT-2's split
-    # to what is left (the "smollm" pre-type and its relatives).
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-
-
-def _llama3_pre_tokenizer():
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-
-
-_GPT2 = _PreTokenizerSpec(_gpt2_pre_tokenizer)
-_STARCODER = _PreTokenizerSpec(_starcoder_pre_tokenizer)
-# llama.cpp encodes a whole pre-tokenized word as one token when the word is
-# in the vocabulary (ignore_merges), and adds BOS by default for Llama 3.
-_LLAMA3 = _PreTokenizerSpec(_llama3_pre_tokenizer, ignore_merges=True, default_add_bos=True)
+_GPT2_SPEC = _PreTokenizerSpec((_GPT2,))
+_STARCODER_SPEC = _PreTokenizerSpec(_STARCODER)
+_LLAMA3_SPEC = _PreTokenizerSpec((_LLAMA3,), ignore_merges=True, default_add_bos=True)
+_QWEN2_SPEC = _PreTokenizerSpec((_QWEN2,))
 
 # `tokenizer.ggml.pre` values, grouped as llama.cpp groups them (same split
-# rules), limited to the families whose rules are implemented here.
+# rules and flags), limited to the families checked against llama.cpp's test
+# vectors or a model file. "gpt2" is not a llama.cpp name but older lockgate
+# test files use it.
 _PRE_TOKENIZERS: dict[str, _PreTokenizerSpec] = {
-    "gpt2": _GPT2,
-    "gpt-2": _GPT2,
-    "phi-2": _GPT2,
-    "roberta-bpe": _GPT2,
-    "smollm": _STARCODER,
-    "starcoder": _STARCODER,
-    "refact": _STARCODER,
-    "codeshell": _STARCODER,
-    "llama3": _LLAMA3,
-    "llama-v3": _LLAMA3,
-    "llama-bpe": _LLAMA3,
-    "falcon3": _LLAMA3,
+    "gpt2": _GPT2_SPEC,
+    "gpt-2": _GPT2_SPEC,
+    "phi-2": _GPT2_SPEC,
+    "roberta-bpe": _GPT2_SPEC,
+    "mpt": _GPT2_SPEC,
+    "olmo": _GPT2_SPEC,
+    "smollm": _STARCODER_SPEC,
+    "starcoder": _STARCODER_SPEC,
+    "refact": _STARCODER_SPEC,
+    "codeshell": _STARCODER_SPEC,
+    "command-r": _STARCODER_SPEC,
+    "llama3": _LLAMA3_SPEC,
+    "llama-v3": _LLAMA3_SPEC,
+    "llama-bpe": _LLAMA3_SPEC,
+    "falcon3": _LLAMA3_SPEC,
+    "falcon-h1": _LLAMA3_SPEC,
+    "pixtral": _LLAMA3_SPEC,
+    "dbrx": _PreTokenizerSpec((_LLAMA3,)),
+    "smaug-bpe": _PreTokenizerSpec((_LLAMA3,)),
+    "qwen2": _QWEN2_SPEC,
+    "deepseek-r1-qwen": _QWEN2_SPEC,
+    "stablelm2": _QWEN2_SPEC,
+    "megrez": _QWEN2_SPEC,
+    "qwen35": _PreTokenizerSpec((_QWEN35,)),
+    "tekken": _PreTokenizerSpec((_TEKKEN,), ignore_merges=True, default_add_bos=True),
+    "deepseek-llm": _PreTokenizerSpec(_DEEPSEEK_LLM),
+    "deepseek-coder": _PreTokenizerSpec(_DEEPSEEK_CODER),
+    "falcon": _PreTokenizerSpec(_FALCON),
 }
 
 SUPPORTED_PRE_TOKENIZERS: tuple[str, ...] = tuple(sorted(_PRE_TOKENIZERS))
-"""The `tokenizer.ggml.pre` values `load_tokenizer` understands."""
+"""The `tokenizer.ggml.pre` values `load_tokenizer` understands (byte-level BPE)."""
+
+_BYTE_LEVEL, _SENTENCEPIECE, _GEMMA4 = "gpt2", "llama", "gemma4"
+
+SUPPORTED_TOKENIZER_MODELS: tuple[str, ...] = (_GEMMA4, _BYTE_LEVEL, _SENTENCEPIECE)
+"""The `tokenizer.ggml.model` values `load_tokenizer` understands."""
 
 # Token types as llama.cpp's converter writes them (gguf.TokenType).
+_TYPE_NORMAL = int(gguf.TokenType.NORMAL)
 _TYPE_UNKNOWN = int(gguf.TokenType.UNKNOWN)
 _TYPE_CONTROL = int(gguf.TokenType.CONTROL)
 _TYPE_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
 
-# Texts that llama.cpp also treats as end of generation when they are in the
-# vocabulary, whatever the metadata names as EOS.
-_END_OF_TURN_TEXTS = (
-    "<|im_end|>",
-    "<|eot_id|>",
-    "<|end|>",
-    "<|eom_id|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
+# --- Tokens llama.cpp recognises by their text (llama_vocab::impl::load) -----------------------
+
+# Texts that end generation wherever they are in the vocabulary.
+_END_OF_GENERATION_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]",
+        "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+        "<｜end▁of▁sentence｜>", "[e~[",
+    }
+)
+# Fill-in-the-middle tokens: llama.cpp treats them as control tokens, and the
+# padding, repository and file-separator ones also end generation.
+_FIM_PREFIX_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+                     "▁<PRE>", "<|code_prefix|>", "<|prefix|>")
+_FIM_SUFFIX_TEXTS = ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
+                     "▁<SUF>", "<|code_suffix|>", "<|suffix|>")
+_FIM_MIDDLE_TEXTS = ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+                     "▁<MID>", "<|code_middle|>", "<|middle|>")
+_FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
+_FIM_REPO_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+_FIM_SEPARATOR_TEXTS = ("<|file_sep|>",)
+_ENDING_FIM = (
+    ("tokenizer.ggml.fim_pad_token_id", _FIM_PAD_TEXTS),
+    ("tokenizer.ggml.fim_rep_token_id", _FIM_REPO_TEXTS),
+    ("tokenizer.ggml.fim_sep_token_id", _FIM_SEPARATOR_TEXTS),
+)
+_CONTROL_LOOKING_TEXTS = _END_OF_GENERATION_TEXTS.union(
+    _FIM_PREFIX_TEXTS, _FIM_SUFFIX_TEXTS, _FIM_MIDDLE_TEXTS, _FIM_PAD_TEXTS, _FIM_REPO_TEXTS,
+    _FIM_SEPARATOR_TEXTS,
 )
 
+# SentencePiece's byte-fallback tokens.
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
-def _scalar(reader: gguf.GGUFReader, key: str, default=None):
+
+def _scalar(reader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def _token_id(reader: gguf.GGUFReader, key: str, n_vocab: int) -> int | None:
+def _token_id(reader, key: str, n_vocab: int) -> int | None:
     value = _scalar(reader, key)
     if value is None:
         return None
@@ -127,19 +228,58 @@ def _token_id(reader: gguf.GGUFReader, key: str, n_vocab: int) -> int | None:
     return value if 0 <= value < n_vocab else None
 
 
-def load_tokenizer(
-    reader: gguf.GGUFReader, *, chat_template: str | None = None
-) -> PreTrainedTokenizerFast:
+def _end_of_generation(reader, token_ids: Mapping[str, int], n_vocab: int) -> list[int]:
+    """The ids llama.cpp's `special_eog_ids` holds, EOS first, then by id.
+
+    llama.cpp picks one token per fill-in-the-middle role when several texts
+    of a role are in the vocabulary; no vocabulary we know has two, and this
+    takes them all.
+    """
+    found: set[int] = set()
+    for key, texts in _ENDING_FIM:
+        token_id = _token_id(reader, key, n_vocab)
+        if token_id is not None:
+            found.add(token_id)
+        else:
+            found.update(token_ids[t] for t in texts if t in token_ids)
+    found.update(token_ids[t] for t in _END_OF_GENERATION_TEXTS if t in token_ids)
+    eos = _token_id(reader, "tokenizer.ggml.eos_token_id", n_vocab)
+    for token_id in (
+        eos,
+        _token_id(reader, "tokenizer.ggml.eot_token_id", n_vocab),
+        _token_id(reader, "tokenizer.ggml.eom_token_id", n_vocab),
+    ):
+        if token_id is not None:
+            found.add(token_id)
+    texts = {text for text, token_id in token_ids.items() if token_id in found}
+    # gpt-oss (harmony) and Solar Open end a message with <|end|> but go on
+    # after it; llama.cpp takes it off the list when their markers are there.
+    if "<|end|>" in texts and ({"<|return|>", "<|call|>"} <= texts or {"<|calls|>", "<|flush|>"} <= texts):
+        found.discard(token_ids["<|end|>"])
+    # Gemma 4 and PLaMo have an ordinary "</s>".
+    if "</s>" in texts and ({"<|tool_response>", "<|plamo:eos|>"} & texts):
+        found.discard(token_ids["</s>"])
+    ordered = sorted(found)
+    if eos is not None and eos in found:
+        ordered.remove(eos)
+        ordered.insert(0, eos)
+    return ordered
+
+
+def load_tokenizer(reader, *, chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """Build the model's tokenizer from the metadata of an open GGUF file.
 
-    Supports byte-level BPE vocabularies (`tokenizer.ggml.model` = "gpt2")
-    with the pre-tokenizers listed in `SUPPORTED_PRE_TOKENIZERS`. Control
-    tokens become special tokens that are never split; user-defined tokens are
-    matched whole but are not special. BOS/EOS/UNK/PAD come from the metadata
-    ids and `tokenizer.ggml.add_bos_token` decides whether encoding with
-    special tokens prepends BOS.
+    Tokens split text as llama.cpp's `llama_tokenize(..., parse_special=True)`
+    does: control and unknown tokens (and the ones llama.cpp takes for
+    control by their text, such as `<|im_end|>` or `<end_of_turn>`) become
+    special tokens, user-defined tokens are matched whole but are not
+    special. Encoding with special tokens adds BOS as llama.cpp does
+    (`tokenizer.ggml.add_bos_token`, else the kind's default), and
+    `split_special_tokens=True` gives `parse_special=False`. Decoding a
+    sequence gives the concatenation of its tokens' texts, a SentencePiece
+    token's leading space included (what llama.cpp's server sends).
 
-    :param reader: the open GGUF file.
+    :param reader: the open GGUF file (`GGUFMetadata` or `gguf.GGUFReader`).
     :param chat_template: a Jinja chat template that replaces the file's
         `tokenizer.chat_template` (the `--chat-template` option).
     :returns: a transformers fast tokenizer whose `chat_template` is the
@@ -147,57 +287,45 @@ def load_tokenizer(
     :raises ModelLoadError: the file has no tokenizer, or one of a kind or
         pre-tokenizer this loader does not implement.
     """
-    model = _scalar(reader, "tokenizer.ggml.model")
-    if model is None:
+    kind = _scalar(reader, "tokenizer.ggml.model")
+    if kind is None:
         raise ModelLoadError("GGUF metadata has no tokenizer (tokenizer.ggml.model is missing)")
-    if model != "gpt2":
+    if kind not in SUPPORTED_TOKENIZER_MODELS:
         raise ModelLoadError(
-            f"unsupported tokenizer model {model!r}: lockgate loads byte-level BPE "
-            "tokenizers (tokenizer.ggml.model = 'gpt2') only"
+            f"unsupported tokenizer model {kind!r} (tokenizer.ggml.model); lockgate loads "
+            "'gpt2' (byte-level BPE), 'llama' (SentencePiece) and 'gemma4'"
         )
-    pre = _scalar(reader, "tokenizer.ggml.pre")
-    spec = _PRE_TOKENIZERS.get(pre) if pre is not None else None
-    if spec is None:
-        raise ModelLoadError(
-            f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: "
-            + ", ".join(SUPPORTED_PRE_TOKENIZERS)
-        )
+    spec = None
+    if kind == _BYTE_LEVEL:
+        pre = _scalar(reader, "tokenizer.ggml.pre")
+        spec = _PRE_TOKENIZERS.get(pre) if pre is not None else None
+        if spec is None:
+            raise ModelLoadError(
+                f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: "
+                + ", ".join(SUPPORTED_PRE_TOKENIZERS)
+            )
 
     tokens = _scalar(reader, "tokenizer.ggml.tokens")
-    merges = _scalar(reader, "tokenizer.ggml.merges")
     if not tokens:
         raise ModelLoadError("GGUF metadata lacks the token list (tokenizer.ggml.tokens)")
-    if merges is None:
-        raise ModelLoadError("GGUF metadata lacks the BPE merges (tokenizer.ggml.merges)")
-    token_types = _scalar(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    token_types = _scalar(reader, "tokenizer.ggml.token_type") or [_TYPE_NORMAL] * len(tokens)
     if len(token_types) != len(tokens):
         raise ModelLoadError(
             f"tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
         )
-
     # llama.cpp renames empty tokens so that every id keeps a distinct text.
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-    vocab = {text: i for i, text in enumerate(tokens)}
-    pairs = []
-    for merge in merges:
-        left, sep, right = merge.partition(" ")
-        if not sep or not left or not right:
-            raise ModelLoadError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges")
-        pairs.append((left, right))
-
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=spec.ignore_merges))
-    backend.pre_tokenizer = spec.build()
-    backend.decoder = decoders.ByteLevel()
-    added = []
-    for i, kind in enumerate(token_types):
-        if kind in (_TYPE_CONTROL, _TYPE_UNKNOWN):
-            added.append(AddedToken(tokens[i], special=True, normalized=False))
-        elif kind == _TYPE_USER_DEFINED:
-            added.append(AddedToken(tokens[i], special=False, normalized=False))
-    if added:
-        backend.add_tokens(added)
-
+    token_ids = {text: i for i, text in enumerate(tokens)}
+    if len(token_ids) != len(tokens):
+        raise ModelLoadError("tokenizer.ggml.tokens holds the same text twice")
     n_vocab = len(tokens)
+
+    if kind == _BYTE_LEVEL:
+        backend = _byte_level_backend(reader, token_ids, spec)
+    else:
+        backend = _sentencepiece_backend(reader, kind, tokens)
+    backend.add_tokens(_added_tokens(reader, tokens, token_types, token_ids))
+
     special = {}
     for name, key in (
         ("bos_token", "tokenizer.ggml.bos_token_id"),
@@ -208,7 +336,15 @@ def load_tokenizer(
         token_id = _token_id(reader, key, n_vocab)
         # transformers would otherwise invent "<s>"/"</s>" for a missing one.
         special[name] = tokens[token_id] if token_id is not None else None
-    add_bos = bool(_scalar(reader, "tokenizer.ggml.add_bos_token", spec.default_add_bos))
+    if kind == _BYTE_LEVEL:
+        add_bos = _scalar(reader, "tokenizer.ggml.add_bos_token", spec.default_add_bos)
+    else:
+        add_bos = _scalar(reader, "tokenizer.ggml.add_bos_token", True)
+    if kind == _GEMMA4:
+        # llama.cpp forces BOS on for Gemma 4 whatever the file says
+        # (ggml-org/llama.cpp#21500); its chat template writes <bos> itself,
+        # and chat prompts are encoded without special tokens.
+        add_bos = True
     add_eos = bool(_scalar(reader, "tokenizer.ggml.add_eos_token", False))
 
     template = chat_template
@@ -216,43 +352,149 @@ def load_tokenizer(
         template = _scalar(reader, "tokenizer.chat_template")
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        add_bos_token=add_bos and special["bos_token"] is not None,
+        add_bos_token=bool(add_bos) and special["bos_token"] is not None,
         add_eos_token=add_eos and special["eos_token"] is not None,
         # Clean-up would drop spaces before punctuation, so a decoded text
         # would not round-trip and a streamed text could differ from the
-        # whole decode; llama.cpp does not clean up for these models either.
+        # whole decode; llama.cpp's server does not clean up either.
         clean_up_tokenization_spaces=False,
         chat_template=template,
         **special,
     )
 
 
-def eos_token_ids(reader: gguf.GGUFReader, tokenizer: PreTrainedTokenizerFast) -> list[int]:
-    """The token ids at which generation stops, EOS first.
+def _byte_level_backend(reader, token_ids: dict[str, int], spec: _PreTokenizerSpec) -> Tokenizer:
+    """A byte-level BPE model with llama.cpp's split rules.
 
-    EOS from the metadata, the end-of-turn and end-of-message ids if the file
-    names them (`tokenizer.ggml.eot_token_id`, `.eom_token_id`), and the
-    control tokens whose text ends a turn in common chat formats
-    (`<|im_end|>`, `<|eot_id|>`, `<|end|>`, …), as llama.cpp does.
+    Built here rather than by transformers' GGUF converter, whose byte-level
+    builder re-spells every token that is not in the byte alphabet (so
+    DeepSeek's `<｜User｜>` or MPT's runs of spaces are no longer found by their
+    text and get cut into pieces), knows split rules for a few pre-types only
+    (StarCoder's digits, DeepSeek's, Falcon's are missing) and never sets
+    `ignore_merges` (Llama 3's "Cửa Việt" comes out in five tokens, not three).
     """
-    ids: list[int] = []
-    n_vocab = len(tokenizer)
+    merges = _scalar(reader, "tokenizer.ggml.merges")
+    if merges is None:
+        raise ModelLoadError("GGUF metadata lacks the BPE merges (tokenizer.ggml.merges)")
+    pairs = []
+    for merge in merges:
+        # llama.cpp splits at the first space after the first character
+        cut = merge.find(" ", 1)
+        if cut < 0 or cut == len(merge) - 1:
+            raise ModelLoadError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges")
+        pairs.append((merge[:cut], merge[cut + 1 :]))
+    backend = Tokenizer(models.BPE(vocab=token_ids, merges=pairs, ignore_merges=spec.ignore_merges))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in spec.splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
-    def add(token_id: int | None) -> None:
-        if token_id is not None and 0 <= token_id < n_vocab and token_id not in ids:
-            ids.append(token_id)
 
-    eos = _token_id(reader, "tokenizer.ggml.eos_token_id", n_vocab)
-    add(eos if eos is not None else tokenizer.eos_token_id)
-    add(_token_id(reader, "tokenizer.ggml.eot_token_id", n_vocab))
-    add(_token_id(reader, "tokenizer.ggml.eom_token_id", n_vocab))
-    control = {
-        token.content: token_id
-        for token_id, token in tokenizer.added_tokens_decoder.items()
-        if token.special
-    }
-    for text in _END_OF_TURN_TEXTS:
-        add(control.get(text))
+def _sentencepiece_backend(reader, kind: str, tokens: list[str]) -> Tokenizer:
+    """SentencePiece-style BPE with byte fallback, as llama.cpp runs it.
+
+    The BPE model comes from transformers' GGUF converter: for "llama" files
+    it recovers the merges from the scores (llama.cpp merges the adjacent pair
+    whose joined text has the best score, which ranks the same), for
+    "gemma4" files it reads them. Around it, llama.cpp's rules rather than
+    the converter's:
+
+    - a space is added in front of every run of text between special tokens
+      when `tokenizer.ggml.add_space_prefix` (the default for "llama") says
+      so, then spaces become "▁". The converter uses `Metaspace`, which adds
+      no "▁" to a text that starts with a space (llama.cpp's " " is [259],
+      the converter's [29871]) and only at the start of the whole text; its
+      Phi-3 builder has the right normalizer, chosen by architecture;
+    - no other splitting, except Gemma 4's: llama.cpp cuts its text at
+      newlines and keeps runs of them apart from other text;
+    - every file uses its own scores: the converter orders Gemma's merges by
+      token position instead and renames its whitespace tokens, which
+      llama.cpp matches as user-defined tokens by their text;
+    - decoding keeps the first token's leading space (what llama.cpp's
+      server sends), where the converter's decoder strips it.
+    """
+    try:
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as converter
+    except ImportError as exc:  # transformers < 5.17
+        raise ModelLoadError(
+            f"loading a {kind!r} tokenizer needs transformers' GGUF tokenizer converter "
+            f"(transformers >= 5.17): {exc}"
+        ) from None
+    tokenizer_dict: dict = {"tokenizer_type": kind, "tokens": tokens}
+    scores = _scalar(reader, "tokenizer.ggml.scores")
+    merges = _scalar(reader, "tokenizer.ggml.merges")
+    if merges is not None:
+        tokenizer_dict["merges"] = merges
+    elif scores is not None and len(scores) >= len(tokens):
+        tokenizer_dict["scores"] = scores[: len(tokens)]
+    else:
+        raise ModelLoadError(
+            "GGUF metadata lacks the scores of a SentencePiece vocabulary (tokenizer.ggml.scores)"
+        )
+    built = converter.GGUF_TOKENIZER_TYPES[kind](tokenizer_dict)
+    # Only the BPE model is kept: the transformers class around it adds its
+    # own idea of the special tokens, which the file's token types replace.
+    backend = Tokenizer(built.backend_tokenizer.model)
+    if kind == _GEMMA4:
+        add_space_prefix = False
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    else:
+        add_space_prefix = bool(_scalar(reader, "tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Replace(" ", "▁")]
+    if add_space_prefix:
+        steps.insert(0, normalizers.Prepend("▁"))
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend
+
+
+def _added_tokens(reader, tokens: list[str], token_types: Sequence[int],
+                  token_ids: Mapping[str, int]) -> list[AddedToken]:
+    """Tokens matched whole in the text before the model sees it.
+
+    Control and unknown tokens, and every token llama.cpp takes for a control
+    token by its text, are special; user-defined ones are not. Phi-3 files
+    (by `general.name`) strip the whitespace after them, as llama.cpp does.
+    """
+    control = {i for i, kind in enumerate(token_types) if kind in (_TYPE_CONTROL, _TYPE_UNKNOWN)}
+    control.update(token_ids[t] for t in _CONTROL_LOOKING_TEXTS if t in token_ids)
+    control.update(_end_of_generation(reader, token_ids, len(tokens)))
+    user_defined = {i for i, kind in enumerate(token_types) if kind == _TYPE_USER_DEFINED}
+    if "</s>" in token_ids and ({"<|tool_response>", "<|plamo:eos|>"} & token_ids.keys()):
+        control.discard(token_ids["</s>"])  # an ordinary token there (see _end_of_generation)
+        user_defined.discard(token_ids["</s>"])
+    name = str(_scalar(reader, "general.name", "")).lower()
+    rstrip: set[int] = set()
+    if "phi-3" in name or "phi3" in name:
+        rstrip = (control | user_defined | {token_ids.get("</s>")}) - {
+            token_ids.get(t) for t in ("<unk>", "<s>", "<|endoftext|>")
+        }
+    added = []
+    for i in sorted(control | user_defined):
+        added.append(
+            AddedToken(tokens[i], special=i in control, normalized=False, rstrip=i in rstrip)
+        )
+    return added
+
+
+def eos_token_ids(reader, tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """The token ids at which generation stops, EOS first, as llama.cpp's
+    end-of-generation set has them.
+
+    EOS, the end-of-turn and end-of-message ids if the file names them
+    (`tokenizer.ggml.eot_token_id`, `.eom_token_id`), the tokens whose text
+    ends a turn in common chat formats (`<|im_end|>`, `<|eot_id|>`,
+    `<end_of_turn>`, `</s>`, `<|endoftext|>`, …), and the fill-in-the-middle
+    padding, repository and file-separator tokens.
+    """
+    token_ids = tokenizer.get_vocab()
+    ids = _end_of_generation(reader, token_ids, len(tokenizer))
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
     return ids
 
 
@@ -274,13 +516,21 @@ def _gpt2_byte_of_char() -> dict[str, int]:
 
 class TokenBytes:
     """The raw bytes of single tokens (for logprobs, which report each token's
-    text and bytes even when it holds only part of a UTF-8 character)."""
+    text and bytes even when it holds only part of a UTF-8 character).
+
+    As llama.cpp's `token_to_piece`: a byte-level token's characters map back
+    to bytes; a SentencePiece token's "▁" is a space and `<0x0A>` is the byte
+    0x0A; control and user-defined tokens are their text.
+    """
 
     _BYTE_OF_CHAR = _gpt2_byte_of_char()
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
         self._tokenizer = tokenizer
         self._added = set(tokenizer.added_tokens_decoder)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        model = getattr(backend, "model", None)
+        self._sentencepiece = bool(getattr(model, "byte_fallback", False))
         self._cache: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> bytes:
@@ -289,6 +539,9 @@ class TokenBytes:
             text = self._tokenizer.convert_ids_to_tokens(token_id)
             if token_id in self._added:
                 found = text.encode()
+            elif self._sentencepiece:
+                byte = _BYTE_TOKEN.fullmatch(text)
+                found = bytes([int(byte.group(1), 16)]) if byte else text.replace("▁", " ").encode()
             else:
                 try:
                     found = bytes(self._BYTE_OF_CHAR[char] for char in text)
