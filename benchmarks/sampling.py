@@ -1,7 +1,7 @@
 """Host (numpy) sampling against the device sampler compiled for llvm.
 
 Times `lockgate.engine.sampling.sample_batch` on numpy logits and
-`lockgate.plugins.tvm.sampling.DeviceSampler.sample_batch` on the same
+`lockgate.plugins.tvm.sampler.DeviceSampler.sample_batch` on the same
 logits already in a TVM tensor on the CPU (where the executor's output is),
 per batch size and kind of request; prints the median of `--repeats` calls
 in milliseconds and checks on the way that both choose the same tokens.
@@ -49,7 +49,7 @@ def main() -> None:
 
     from lockgate.engine.params import SamplingParams
     from lockgate.engine.sampling import SamplingRow, make_generator, sample_batch
-    from lockgate.plugins.tvm.sampling import DeviceSampler
+    from lockgate.plugins.tvm.sampler import DeviceSampler
 
     started = time.monotonic()
     sampler = DeviceSampler(args.vocab, Target.from_device(tvm.cpu()), tvm.cpu(0))

@@ -1,4 +1,4 @@
-"""The device sampler (`lockgate.plugins.tvm.sampling`) compiled for llvm
+"""The device sampler (`lockgate.plugins.tvm.sampler`) compiled for llvm
 chooses exactly the host sampler's tokens.
 
 Both sides get identically seeded generators for every row; the device
@@ -31,7 +31,8 @@ tvm = pytest.importorskip("tvm")
 
 from tvm.target import Target  # noqa: E402
 
-from lockgate.plugins.tvm.sampling import DeviceSampler, build_sampler  # noqa: E402
+from lockgate.plugins.tvm.sampler import DeviceSampler  # noqa: E402
+from lockgate.plugins.tvm.sampler_kernels import build_sampler  # noqa: E402
 
 #: the default model's vocabulary
 VOCAB = 49152
@@ -206,7 +207,7 @@ def tiny_executor(tmp_path_factory):
     path = write_tiny_gguf(d / "tiny.gguf")
     config = ModelConfig.from_gguf(gguf.GGUFReader(path))
     options = ExecutorOptions(
-        max_num_seqs=8, max_total_tokens=2048, prefill_chunk_size=128, page_size=16, cache_dir=d / "cache"
+        max_num_seqs=8, max_total_tokens=2048, prefill_chunk_size=128, cache_dir=d / "cache"
     )
     executor = create_executor(ModelFile(path, config), options)
     yield executor

@@ -138,7 +138,7 @@ def test_cross_compile_for_sm90(tmp_path):
 def test_tensorize_probe_tells_the_truth():
     """`tensorize_works` is false exactly when tensorization crashes: its
     cause, TVM IR failing to serialize to JSON, is tried here directly."""
-    from lockgate.plugins.tvm.compile import tensorize_works
+    from lockgate.plugins.tvm.schedules import tensorize_works
 
     probe = "import tvm; tvm.ir.save_json(tvm.ir.PrimType('int32'))"
     serializes = subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
@@ -152,7 +152,8 @@ def cache_1b(tmp_path_factory):
 
 @pytest.mark.parametrize("weights", ["f16", "q4_0"])
 def test_llama_1b_shape_for_sm90(weights, cache_1b):
-    from lockgate.plugins.tvm.compile import as_target, compile_model, tensorize_works
+    from lockgate.plugins.tvm.compile import as_target, compile_model
+    from lockgate.plugins.tvm.schedules import tensorize_works
 
     formats = _q4_formats(LLAMA_3_2_1B) if weights == "q4_0" else {}
     compiled = compile_model(LLAMA_3_2_1B, as_target(SM90), cache_1b, formats=formats, max_batch=64)

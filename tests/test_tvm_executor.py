@@ -58,7 +58,7 @@ def make_executor(path: pathlib.Path, cache: pathlib.Path, **options):
     from lockgate.plugins.tvm.executor import create_executor
 
     config = ModelConfig.from_gguf(gguf.GGUFReader(path))
-    opts = {"max_num_seqs": 4, "max_total_tokens": 1024, "prefill_chunk_size": 64, "page_size": 16}
+    opts = {"max_num_seqs": 4, "max_total_tokens": 1024, "prefill_chunk_size": 64}
     opts.update(options)
     return create_executor(ModelFile(path, config), ExecutorOptions(cache_dir=cache, **opts))
 
@@ -265,8 +265,6 @@ def test_caller_mistakes_raise_value_error(executor, seqs):
 
 
 def test_bad_options_raise_value_error(tiny_files, compile_cache):
-    with pytest.raises(ValueError, match="page_size must be 16"):
-        make_executor(tiny_files["F32"], compile_cache, page_size=32)
     with pytest.raises(ValueError, match="max_num_seqs"):
         make_executor(tiny_files["F32"], compile_cache, max_num_seqs=0)
     with pytest.raises(ValueError, match="target"):

@@ -221,7 +221,7 @@ class PrefixCache:
     is a prefix of another: `insert` drops the shorter one.
     """
 
-    def __init__(self, page_size: int = 16) -> None:
+    def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         #: the cached sequences, least recently used first
         self.entries: dict[int, CachedSequence] = {}

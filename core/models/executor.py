@@ -32,8 +32,6 @@ class ExecutorOptions:
     max_total_tokens: int = setting_default("max_total_tokens")
     #: most tokens one prefill call may carry (longer prompts are chunked)
     prefill_chunk_size: int = setting_default("prefill_chunk_size")
-    #: tokens per KV page
-    page_size: int = 16
     #: "auto" (cuda when a GPU is present, else llvm), "llvm" or "cuda"
     target: str = setting_default("target")
     #: where compiled libraries are cached; None means the default cache dir

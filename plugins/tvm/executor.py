@@ -13,9 +13,6 @@ from lockgate.errors import ModelLoadError
 from lockgate.memory import trim_allocator
 from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
 
-#: the only KV page length TVM 0.27's cache kernels (CPU and GPU) are built for
-KV_PAGE_SIZE = 16
-
 #: decode batch sizes on CUDA: a batch is padded up to the next of these, so
 #: `batch_decode` is captured as a CUDA graph once per bucket, not once per
 #: batch size; batches above the last run through `batch_prefill`, whose
@@ -68,14 +65,9 @@ class TVMExecutor(Executor):
     """
 
     def __init__(self, model_file: ModelFile, options: ExecutorOptions) -> None:
-        for name in ("max_num_seqs", "max_total_tokens", "prefill_chunk_size", "page_size"):
+        for name in ("max_num_seqs", "max_total_tokens", "prefill_chunk_size"):
             if getattr(options, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(options, name)}")
-        if options.page_size != KV_PAGE_SIZE:
-            raise ValueError(
-                f"page_size must be {KV_PAGE_SIZE}: TVM 0.27 builds its paged KV cache "
-                f"kernels for {KV_PAGE_SIZE}-token pages (got {options.page_size})"
-            )
         _set_num_threads(options.num_threads)
 
         import tvm
@@ -83,6 +75,7 @@ class TVMExecutor(Executor):
         from tvm_ffi import Shape
 
         from lockgate.plugins.tvm.compile import compile_model, resolve_target
+        from lockgate.plugins.tvm.kernels import PAGE_SIZE
         from lockgate.plugins.tvm.weights import GGUFTensors, iter_gguf_weights, linear_formats
 
         self._progress = options.progress or (lambda _msg: None)
@@ -154,20 +147,20 @@ class TVMExecutor(Executor):
         self._end = f("vm.builtin.kv_state_end_forward")
         self._available_pages = f("vm.builtin.attention_kv_cache_get_num_available_pages")
 
-        self.page_size = options.page_size
+        self.page_size = PAGE_SIZE
         self.max_num_seqs = options.max_num_seqs
         self.prefill_chunk_size = options.prefill_chunk_size
         buckets = DECODE_BUCKETS if cuda else ()
         self._set_decode_buckets(buckets)
-        pages = math.ceil(options.max_total_tokens / options.page_size)
+        pages = math.ceil(options.max_total_tokens / PAGE_SIZE)
         # Padding sequences hold a page each during a step and none between
         # steps: those pages are kept out of what the engine sees as free.
         self._kv = self._vm["create_tir_paged_kv_cache"](
             Shape([options.max_num_seqs + self._max_pad]),
-            Shape([(pages + self._max_pad) * options.page_size]),
+            Shape([(pages + self._max_pad) * PAGE_SIZE]),
             # a decode batch past the buckets is one prefill of a token each
             Shape([max(options.prefill_chunk_size, options.max_num_seqs if buckets else 0)]),
-            Shape([options.page_size]),
+            Shape([PAGE_SIZE]),
         )
         self.total_pages = int(self._available_pages(self._kv)) - self._max_pad
         self.max_sequence_length = min(config.context_length, self.total_pages * self.page_size)
@@ -178,8 +171,8 @@ class TVMExecutor(Executor):
         # the sampler's kernels on them; off (None), logits come back as numpy
         self._sampler = None
         if cuda if options.device_sampling is None else options.device_sampling:
-            from lockgate.plugins.tvm.compile import default_cache_dir
-            from lockgate.plugins.tvm.sampling import DeviceSampler
+            from lockgate.plugins.tvm.compile_cache import default_cache_dir
+            from lockgate.plugins.tvm.sampler import DeviceSampler
 
             self._progress("loading the sampler…")
             self._sampler = DeviceSampler(

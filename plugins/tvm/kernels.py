@@ -187,7 +187,10 @@ def attention_prefill_ragged_cpu(h_kv, h_q, d_qk, d_v, dtype, rope_scaling):
     return batch_prefill_ragged_kv
 
 
-#: KV page length of TVM 0.27's CPU paged kernels (`page_size=16` defaults)
+#: tokens per KV page: TVM 0.27 builds its CPU paged kernels (and its
+#: page-copy kernels on every target) for this length whatever the runtime
+#: asks, so the executor sizes its cache with it and reports it
+#: (`TVMExecutor.page_size`); nothing else in lockgate names a page size
 PAGE_SIZE = 16
 
 

@@ -57,7 +57,7 @@ def rope_with_frequency_factors(
         var_q: T.handle,
         var_k: T.handle,
         var_v: T.handle,
-        factors: T.Buffer((rotary_dim,), "float32"),  # type: ignore
+        factors: T.Buffer((rotary_dim,), "float32"),  # type: ignore  # noqa: F821
     ):
         T.func_attr({"op_pattern": 8, "tirx.noalias": True})
         seq_len = T.int32()
