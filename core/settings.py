@@ -145,6 +145,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("executor", str, "tvm", "the executor plugin that runs the model"),
     Setting("target", str, "auto", "compile target: `llvm`, `cuda`, or `auto` (CUDA when a GPU is present)",
             choices=("auto", "llvm", "cuda")),
+    Setting("quantize", str, None,
+            "pack float weights at load, a Hugging Face directory's or a GGUF file's F32/F16/BF16 "
+            "matrices: `q8_0` or `q4_0`", choices=("q8_0", "q4_0")),
     Setting("max_num_seqs", int, 16, "sequences decoded in one batch"),
     Setting("max_total_tokens", int, 8192,
             "KV cache capacity, all sequences together (f16, about 22.5 KiB a token for the default model)"),

@@ -269,3 +269,128 @@ def write_tiny_gguf(
         tensor_type=tensor_type,
         vocab_size=vocab_size,
     )
+
+
+#: Hugging Face `architectures` of each GGUF architecture the writer knows
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, rounded to nearest even."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).astype(np.uint16)
+
+
+def write_safetensors(path, tensors: dict[str, np.ndarray], dtype: str = "F16") -> None:
+    """A safetensors file (8-byte header length, JSON header, data) of
+    float matrices stored as `dtype` (F32, F16 or BF16) and vectors as F32,
+    as the GGUF files of `write_model_gguf` keep norms and biases."""
+    import json
+
+    header, chunks, offset = {}, [], 0
+    for name, array in tensors.items():
+        dtype_of = dtype if array.ndim > 1 else "F32"
+        if dtype_of == "BF16":
+            data = _to_bf16_bits(array).tobytes()
+        else:
+            data = np.ascontiguousarray(array, dtype={"F32": np.float32, "F16": np.float16}[dtype_of]).tobytes()
+        header[name] = {"dtype": dtype_of, "shape": list(array.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as file:
+        file.write(len(raw).to_bytes(8, "little"))
+        file.write(raw)
+        for chunk in chunks:
+            file.write(chunk)
+
+
+def write_hf_directory(gguf_path, directory, dtype: str = "F16") -> pathlib.Path:
+    """The model of a GGUF file written by `write_model_gguf`, as a Hugging
+    Face directory: config.json, model.safetensors (`dtype`), the tokenizer
+    as `tokenizer.json` with its config and chat template, and
+    generation_config.json. Q/K rows are put back in Hugging Face's order.
+    """
+    import json
+
+    from lockgate.models.gguf_metadata import GGUFMetadata
+    from lockgate.models.tokenizer import load_tokenizer
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def meta(key, default=None):
+        field = reader.fields.get(f"{arch}.{key}")
+        return default if field is None else field.contents()
+
+    names = {t.name: t for t in reader.tensors}
+
+    def read(name):
+        t = names[name]
+        values = np.asarray(t.data, dtype=np.float32)
+        if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+        return values.reshape(tuple(reversed([int(d) for d in t.shape])))
+
+    heads, kv_heads = int(meta("attention.head_count")), int(meta("attention.head_count_kv"))
+    hidden = int(meta("embedding_length"))
+    head_dim = int(meta("attention.key_length", 0)) or hidden // heads
+
+    def unpermute(w, n_head):
+        if arch not in PERMUTED_QK:
+            return w
+        return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    hf_names = {
+        "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias", "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+    }
+    tensors = {}
+    for name in names:
+        if name == "token_embd.weight":
+            tensors["model.embed_tokens.weight"] = read(name)
+        elif name == "output_norm.weight":
+            tensors["model.norm.weight"] = read(name)
+        elif name == "output.weight":
+            tensors["lm_head.weight"] = read(name)
+        elif name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            values = read(name)
+            if rest.startswith("attn_q."):
+                values = unpermute(values, heads)
+            elif rest.startswith("attn_k."):
+                values = unpermute(values, kv_heads)
+            tensors[f"model.layers.{layer}.{hf_names[rest]}"] = values
+    write_safetensors(directory / "model.safetensors", tensors, dtype)
+    config = {
+        "architectures": [HF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].contents()),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rope_theta": float(meta("rope.freq_base")),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(meta("context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}[dtype],
+    }
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    eos = int(reader.fields["tokenizer.ggml.eos_token_id"].contents())
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    load_tokenizer(GGUFMetadata(gguf_path)).save_pretrained(str(directory))
+    return directory

@@ -32,6 +32,8 @@ class ExecutorOptions:
     max_total_tokens: int = setting_default("max_total_tokens")
     #: most tokens one prefill call may carry (longer prompts are chunked)
     prefill_chunk_size: int = setting_default("prefill_chunk_size")
+    #: pack float matrices at load: "q8_0", "q4_0", or None to keep them
+    quantize: str | None = setting_default("quantize")
     #: "auto" (cuda when a GPU is present, else llvm), "llvm" or "cuda"
     target: str = setting_default("target")
     #: where compiled libraries are cached; None means the default cache dir

@@ -33,6 +33,8 @@ class ModelFamily:
         architecture's Q and K matrices for its interleaved-pair RoPE
         (true for `llama`, not for Qwen or Gemma), so a loader that rotates
         halves, as Hugging Face models do, undoes it.
+    :ivar hf_config: `config.json` values this family's directories have
+        without writing them (Qwen2's `attention_bias`, Qwen3's `qk_norm`).
     """
 
     name: str
@@ -40,6 +42,7 @@ class ModelFamily:
     networks: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     hf_architectures: tuple[str, ...] = ()
     permuted_qk: bool = False
+    hf_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def network(self, executor: str) -> Any:
         """What `executor` builds for this family.

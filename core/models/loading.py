@@ -169,12 +169,13 @@ def open_model(
     max_tool_calls: int = setting_default("max_tool_calls"),
     progress: Callable[[str], None] | None = None,
 ) -> ModelSource:
-    """Find `model` (a registered name or alias, or a path to a GGUF file)
-    and read what serving it needs short of an executor: the config, the
-    tokenizer (`chat_template` text overrides the file's template) and the
-    tool-call format."""
-    from lockgate.models.gguf_metadata import GGUFMetadata
+    """Find `model` (a registered name or alias, a path to a GGUF file, or
+    a Hugging Face model directory) and read what serving it needs short of
+    an executor: the config and its family, the tokenizer (`chat_template`
+    text overrides the model's template) and the tool-call format."""
     from lockgate.engine.structured import prepare_tokenizer
+    from lockgate.models import hf
+    from lockgate.models.gguf_metadata import GGUFMetadata
     from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
 
     specs = registered_models(pm)
@@ -186,25 +187,33 @@ def open_model(
         aliases = tuple(a for a in (spec.name, *spec.aliases) if a != (served_name or spec.name))
     else:
         path = Path(model).expanduser()
-        if not path.is_file():
+        if not path.is_file() and not hf.is_hf_directory(path):
             known = ", ".join(sorted({s.name for s in specs.values()})) or "none"
             raise ModelLoadError(
-                f"{model!r} is neither a registered model (known: {known}) nor a GGUF file"
+                f"{model!r} is neither a registered model (known: {known}), a GGUF file, "
+                "nor a model directory with a config.json"
             )
         name = path.name.removesuffix(".gguf")
     formats = registered_tool_call_formats(pm)
     (progress or (lambda message: None))(f"reading {path}")
-    # The header is parsed once: the config, the tokenizer and the executor
-    # (through `ModelFile.metadata`) all read this copy.
-    metadata = GGUFMetadata(path)
-    config = ModelConfig.from_gguf(metadata)
-    family = registered_families(pm).for_architecture(config.architecture)
-    tokenizer = load_tokenizer(metadata, chat_template=chat_template)
+    families = registered_families(pm)
+    if path.is_dir():
+        metadata = None
+        config, family = hf.read_hf_config(path, families)
+        tokenizer = hf.load_hf_tokenizer(path, chat_template=chat_template)
+        eos_ids = hf.hf_eos_token_ids(path, tokenizer)
+    else:
+        # The header is parsed once: the config, the tokenizer and the
+        # executor (through `ModelFile.metadata`) all read this copy.
+        metadata = GGUFMetadata(path)
+        config = ModelConfig.from_gguf(metadata)
+        family = families.for_architecture(config.architecture)
+        tokenizer = load_tokenizer(metadata, chat_template=chat_template)
+        eos_ids = eos_token_ids(metadata, tokenizer)
     try:
         tool_format = choose_tool_call_format(formats, tool_call_format, tokenizer.chat_template)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
-    eos_ids = eos_token_ids(metadata, tokenizer)
     # the grammar engine's copy of the vocabulary, built once so the first
     # structured-output request does not pay for it
     prepare_tokenizer(tokenizer, eos_token_ids=eos_ids)

@@ -26,12 +26,14 @@ BUILTIN_FAMILIES = (
         ("qwen2",),
         networks={"tvm": f"{_NETWORKS}.qwen2:Qwen2ForCausalLM"},
         hf_architectures=("Qwen2ForCausalLM",),
+        hf_config={"attention_bias": True},
     ),
     ModelFamily(
         "qwen3",
         ("qwen3",),
         networks={"tvm": f"{_NETWORKS}.qwen3:Qwen3ForCausalLM"},
         hf_architectures=("Qwen3ForCausalLM",),
+        hf_config={"qk_norm": True},
     ),
 )
 

@@ -56,6 +56,23 @@ def _release_loading_memory() -> None:
     trim_allocator()
 
 
+def _open_tensors(model_file: ModelFile):
+    """The model's tensors under llama.cpp's names: a GGUF file's, or a
+    Hugging Face directory's safetensors."""
+    from lockgate.plugins.tvm.weights import GGUFTensors
+
+    if os.path.isdir(model_file.path):
+        from lockgate.models.hf import HFTensors
+
+        return HFTensors(model_file.path)
+    try:
+        # the header as the loader already read it, else read here: once either way
+        source = model_file.metadata if model_file.metadata is not None else model_file.path
+        return GGUFTensors(source)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
+
+
 class TVMExecutor(Executor):
     """Runs `embed`, `batch_prefill` and `batch_decode` of a compiled model.
 
@@ -76,25 +93,24 @@ class TVMExecutor(Executor):
 
         from lockgate.plugins.tvm.compile import compile_model, resolve_target
         from lockgate.plugins.tvm.kernels import PAGE_SIZE
-        from lockgate.plugins.tvm.weights import GGUFTensors, iter_gguf_weights, linear_formats
+        from lockgate.plugins.tvm.weights import QuantizedAtLoad, iter_gguf_weights, linear_formats
 
         self._progress = options.progress or (lambda _msg: None)
         self._Shape = Shape
         config = model_file.config
         self.config = config
         target = resolve_target(options.target)
-        try:
-            # the header as the loader already read it, else read here: once either way
-            source = model_file.metadata if model_file.metadata is not None else model_file.path
-            tensors = GGUFTensors(source)
-        except OSError as exc:
-            raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
+        tensors = _open_tensors(model_file)
         family = model_file.family
         if family is None:
             from lockgate.plugins.tvm import builtin_families
 
             family = builtin_families().for_architecture(config.architecture)
         self.family = family
+        # a directory's rows are in Hugging Face's order already
+        permuted_qk = family.permuted_qk and not os.path.isdir(model_file.path)
+        if options.quantize:
+            tensors = QuantizedAtLoad(tensors, options.quantize, config)
         formats = linear_formats(tensors, config)
         cuda = target.kind.name == "cuda"
         self.compiled = compile_model(
@@ -119,7 +135,7 @@ class TVMExecutor(Executor):
                     options.progress,
                     self.compiled.formats,
                     gpu=cuda,
-                    permuted_qk=family.permuted_qk,
+                    permuted_qk=permuted_qk,
                 )
             ]
         except OSError as exc:

@@ -142,6 +142,28 @@ def read_tensor_index(source: str | os.PathLike | GGUFMetadata) -> dict[str, Raw
     return tensors
 
 
+def codes_of_blocks(blocks: np.ndarray, rows: int, cols: int, fmt: str) -> dict[str, np.ndarray]:
+    """GGML blocks of an (out, in) matrix, as uint8 bytes, repacked into
+    `codes`, (rows, cols / 8) uint32 for the 4-bit formats (code of column
+    k in bits 4·(k % 8) of word k // 8) or (rows, cols) int8 for Q8_0, and
+    float32 `scales` (rows, cols / 32), plus `mins` for Q4_1."""
+    block_bytes, codes_at = _BLOCK_LAYOUT[fmt]
+    blocks = blocks.reshape(rows, cols // 32, block_bytes)
+    out = {"scales": blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)}
+    if fmt == "q4_1":
+        out["mins"] = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., codes_at:]
+    if fmt == "q8_0":
+        out["codes"] = qs.reshape(rows, cols).view(np.int8)
+        return out
+    # element j of a block is the low nibble of byte j, element j + 16
+    # the high nibble
+    nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols // 8, 8)
+    shifts = np.arange(0, 32, 4, dtype=np.uint32)
+    out["codes"] = np.bitwise_or.reduce(nibbles.astype(np.uint32) << shifts, axis=-1)
+    return out
+
+
 class GGUFTensors:
     """Named access to the tensors of one GGUF file: float32 values, or the
     quantized codes and scales of a block-quantized matrix.
@@ -168,32 +190,13 @@ class GGUFTensors:
         return self._read(name, (size,))
 
     def quantized(self, name: str, rows: int, cols: int, fmt: str) -> dict[str, np.ndarray]:
-        """A block-quantized (out, in) matrix as its codes and scales.
-
-        Returns `codes`, (rows, cols / 8) uint32 for the 4-bit formats (code
-        of column k in bits 4·(k % 8) of word k // 8) or (rows, cols) int8
-        for Q8_0, and float32 `scales` (rows, cols / 32), plus `mins` for
-        Q4_1. The codes are the file's own, so the values they stand for are
-        bit-exactly those of llama.cpp's dequantization.
-        """
+        """A block-quantized (out, in) matrix as its codes and scales
+        (`codes_of_blocks`): the file's own codes, so the values they stand
+        for are bit-exactly those of llama.cpp's dequantization."""
         tensor = self._checked(name, (rows, cols))
-        block_bytes, codes_at = _BLOCK_LAYOUT[fmt]
         if self.tensor_type(name) != _TYPE_OF_FORMAT[fmt]:
             raise ModelLoadError(f"tensor {name!r} is {self.tensor_type(name).name}, not {fmt}")
-        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, cols // 32, block_bytes)
-        out = {"scales": blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)}
-        if fmt == "q4_1":
-            out["mins"] = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = blocks[..., codes_at:]
-        if fmt == "q8_0":
-            out["codes"] = qs.reshape(rows, cols).view(np.int8)
-            return out
-        # element j of a block is the low nibble of byte j, element j + 16
-        # the high nibble
-        nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols // 8, 8)
-        shifts = np.arange(0, 32, 4, dtype=np.uint32)
-        out["codes"] = np.bitwise_or.reduce(nibbles.astype(np.uint32) << shifts, axis=-1)
-        return out
+        return codes_of_blocks(np.asarray(tensor.data, dtype=np.uint8), rows, cols, fmt)
 
     def _checked(self, name: str, shape: tuple[int, ...]):
         tensor = self._tensors.get(name)
@@ -225,6 +228,50 @@ class GGUFTensors:
 
 
 _TYPE_OF_FORMAT = {fmt: qtype for qtype, fmt in _FORMAT_OF_TYPE.items()}
+
+
+class QuantizedAtLoad:
+    """Another tensor source (`GGUFTensors`, `lockgate.models.hf.HFTensors`)
+    whose float linear matrices are packed into `fmt` ("q8_0" or "q4_0") as
+    they are read (`--quantize`): they report that type, and `quantized`
+    quantizes them with gguf-py, llama.cpp's own reference rounding.
+    Norms, biases, the separate embedding table and matrices whose rows are
+    not whole blocks keep their type; tensors already packed keep theirs.
+    """
+
+    def __init__(self, tensors, fmt: str, config: ModelConfig) -> None:
+        if fmt not in ("q8_0", "q4_0"):
+            raise ModelLoadError(f"cannot quantize at load to {fmt!r}: choose q8_0 or q4_0")
+        self._tensors = tensors
+        self._fmt = fmt
+        self._linear = {
+            name
+            for module, parts in _linear_sources(config, "output.weight" in tensors).items()
+            if _in_features(config, module) % 32 == 0
+            for name, _, _ in parts
+        }
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_type(self, name: str) -> gguf.GGMLQuantizationType | None:
+        qtype = self._tensors.tensor_type(name)
+        if name in self._linear and qtype in _PLAIN_TYPES:
+            return _TYPE_OF_FORMAT[self._fmt]
+        return qtype
+
+    def matrix(self, name: str, rows: int, cols: int) -> np.ndarray:
+        return self._tensors.matrix(name, rows, cols)
+
+    def vector(self, name: str, size: int) -> np.ndarray:
+        return self._tensors.vector(name, size)
+
+    def quantized(self, name: str, rows: int, cols: int, fmt: str) -> dict[str, np.ndarray]:
+        if self._tensors.tensor_type(name) not in _PLAIN_TYPES:
+            return self._tensors.quantized(name, rows, cols, fmt)
+        qtype = _TYPE_OF_FORMAT[fmt]
+        blocks = gguf.quants.quantize(self._tensors.matrix(name, rows, cols), qtype)
+        return codes_of_blocks(np.asarray(blocks, dtype=np.uint8), rows, cols, fmt)
 
 
 def to_panels(w: np.ndarray, width: int) -> np.ndarray:
