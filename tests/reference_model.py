@@ -4,7 +4,9 @@ Weights are used in the file's own row order: for `llama` files llama.cpp's
 RoPE rotates interleaved pairs (2i, 2i+1) of the permuted rows, for Qwen
 files it rotates halves (NeoX order). Q/K/V biases, per-head Q/K norms and
 Llama 3.1's per-frequency RoPE divisors (`rope_freqs.weight`) are applied
-where the file has them. Executors that undo the permutation and rotate
+where the file has them, and Gemma 3's block (scaled embeddings, norms after
+attention and MLP, GeGLU, sliding-window layers with their own RoPE base,
+soft-capped logits) for `gemma3` files. Executors that undo the permutation and rotate
 halves must agree with it.
 """
 
@@ -41,20 +43,25 @@ def reference_logits(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
     def weight(name: str) -> np.ndarray:
         return read_tensor(reader, name)
 
+    gemma = c.architecture == "gemma3"
     embed = weight("token_embd.weight")
     head = weight("output.weight") if "output.weight" in names else embed
-    x = embed[tokens]
+    x = embed[tokens] * (np.sqrt(np.float32(c.hidden_size)) if gemma else 1.0)
     n, d, r = len(tokens), c.head_dim, c.rotary_dim
-    pos = np.arange(n)[:, None] * c.rope_scale
-    inv_freq = c.rope_theta ** (-np.arange(0, r, 2) / r)
-    if c.rope_freq_factors is not None:
-        inv_freq = inv_freq / np.asarray(c.rope_freq_factors)
-    cos, sin = np.cos(pos * inv_freq)[:, None], np.sin(pos * inv_freq)[:, None]
+
+    def rotation(theta: float, scale: float):
+        pos = np.arange(n)[:, None] * scale
+        inv_freq = theta ** (-np.arange(0, r, 2) / r)
+        if c.rope_freq_factors is not None:
+            inv_freq = inv_freq / np.asarray(c.rope_freq_factors)
+        return np.cos(pos * inv_freq)[:, None], np.sin(pos * inv_freq)[:, None]
+
+    local = _local_layers(c)
 
     def rms(v, w):
         return v / np.sqrt((v * v).mean(-1, keepdims=True) + c.rms_norm_eps) * w
 
-    def rope(v):  # (n, heads, d)
+    def rope(v, cos, sin):  # (n, heads, d)
         out = v.copy()
         if c.architecture in INTERLEAVED_ROPE:
             even, odd = v[..., 0:r:2], v[..., 1:r:2]
@@ -75,22 +82,52 @@ def reference_logits(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
             y = rms(y, weight(f"{p}attn_{part}_norm.weight"))
         return y
 
-    mask = np.triu(np.full((n, n), -np.inf), 1)
+    causal = np.triu(np.full((n, n), -np.inf), 1)
+    # a local layer's query i sees keys i - window + 1 .. i
+    windowed = causal + np.tril(np.full((n, n), -np.inf), -c.sliding_window) if c.sliding_window else causal
     group = c.num_heads // c.num_kv_heads
+    per_head = c.hidden_size // c.num_heads if gemma and c.num_layers == 62 else d
     for i in range(c.num_layers):
         p = f"blk.{i}."
+        theta, scale = c.rope_theta, c.rope_scale
+        if local[i]:
+            theta, scale = c.rope_local_theta or 10000.0, 1.0
+        cos, sin = rotation(theta, scale)
         h = rms(x, weight(p + "attn_norm.weight"))
-        q = rope(project(h, p, "q", c.num_heads))
-        k = rope(project(h, p, "k", c.num_kv_heads))
+        q = rope(project(h, p, "q", c.num_heads), cos, sin)
+        k = rope(project(h, p, "k", c.num_kv_heads), cos, sin)
         v = project(h, p, "v", c.num_kv_heads)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d) + mask
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(per_head) + (windowed if local[i] else causal)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, -1)
-        x = x + attn @ weight(p + "attn_output.weight").T
+        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, -1) @ weight(p + "attn_output.weight").T
+        if gemma:
+            attn = rms(attn, weight(p + "post_attention_norm.weight"))
+        x = x + attn
         h = rms(x, weight(p + "ffn_norm.weight"))
         gate = h @ weight(p + "ffn_gate.weight").T
         up = h @ weight(p + "ffn_up.weight").T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ weight(p + "ffn_down.weight").T
-    return rms(x, weight("output_norm.weight")) @ head.T
+        if gemma:  # GELU, tanh-approximated
+            activated = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+        else:
+            activated = gate / (1 + np.exp(-gate))
+        mlp = (activated * up) @ weight(p + "ffn_down.weight").T
+        if gemma:
+            mlp = rms(mlp, weight(p + "post_ffw_norm.weight"))
+        x = x + mlp
+    logits = rms(x, weight("output_norm.weight")) @ head.T
+    if c.final_logit_softcap:
+        logits = np.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
+    return logits
+
+
+def _local_layers(c: ModelConfig) -> list[bool]:
+    """Which layers slide, as llama.cpp reads the pattern (every sixth
+    layer global by default)."""
+    if not c.sliding_window:
+        return [False] * c.num_layers
+    if isinstance(c.sliding_window_pattern, tuple):
+        return list(c.sliding_window_pattern)
+    every = 6 if c.sliding_window_pattern is None else c.sliding_window_pattern
+    return [every == 0 or i % every < every - 1 for i in range(c.num_layers)]

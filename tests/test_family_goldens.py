@@ -5,8 +5,9 @@
 The executor is fed llama.cpp's greedy tokens and must, at every step, pick
 the same next token wherever llama.cpp's top two logits are further apart
 than float16 noise, and give llama.cpp's top logits to within that noise.
-One case runs 2,048 prompt tokens through Llama 3.1's RoPE scaling, where
-ignoring the factors moves every logit.
+Two cases run 2,048 prompt tokens: through Llama 3.1's RoPE scaling, where
+ignoring the factors moves every logit, and through Gemma 3's 64-token
+sliding window, in 32 chunks.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ GOLDENS = json.loads((HERE / "data" / "family_goldens.json").read_text())
 #: when recorded, and by 0.13 with the RoPE factors ignored
 LOGIT_TOLERANCE = 5e-3
 
+#: Gemma 3's cases differed by up to 4.5e-3 (llama.cpp's CPU GELU reads a
+#: float16 table, and the prompt is prefilled in window-sized chunks merged
+#: in float16), and by 3.1 with the window ignored
+TOLERANCE = {"gemma3": 1e-2, "gemma3-window-2048": 1e-2}
+
 
 @pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory) -> pathlib.Path:
@@ -48,6 +54,7 @@ def test_family_agrees_with_llama_cpp(name, tmp_path, compile_cache):
     from lockgate.plugins.tvm.executor import create_executor
 
     golden = GOLDENS["cases"][name]
+    tolerance = TOLERANCE.get(name, LOGIT_TOLERANCE)
     path = write_case(tmp_path, name)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == golden["sha256"], (
         "tests/tiny_model.py now writes another file for this case: "
@@ -66,8 +73,9 @@ def test_family_agrees_with_llama_cpp(name, tmp_path, compile_cache):
     try:
         ex.add_sequence(0)
         logits = None
-        for start in range(0, len(prompt), 512):  # chunked as the engine would
-            logits = ex.prefill([0], [prompt[start : start + 512]])[0]
+        step = ex.prefill_chunk_size  # chunked as the engine would (Gemma 3: its window)
+        for start in range(0, len(prompt), step):
+            logits = ex.prefill([0], [prompt[start : start + step]])[0]
         worst = 0.0
         for step, (want, margin, top) in enumerate(
             zip(golden["greedy_ids"], golden["margins"], golden["top_logits"])
@@ -75,9 +83,9 @@ def test_family_agrees_with_llama_cpp(name, tmp_path, compile_cache):
             ids = [i for i, _ in top]
             theirs = np.array([v for _, v in top])
             worst = max(worst, float(np.abs(logits[ids] - theirs).max()))
-            if margin > 2 * LOGIT_TOLERANCE:
+            if margin > 2 * tolerance:
                 assert int(logits.argmax()) == want, f"step {step}: llama.cpp chose {want} by {margin:.3f}"
             logits = ex.decode([0], [want])[0]
-        assert worst < LOGIT_TOLERANCE, f"top logits differ from llama.cpp's by up to {worst:.4f}"
+        assert worst < tolerance, f"top logits differ from llama.cpp's by up to {worst:.4f}"
     finally:
         ex.close()

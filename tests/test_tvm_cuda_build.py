@@ -236,6 +236,10 @@ FAMILY_SHAPES = {
     "llama3-rope-scaling": {"rope_freq_factors": [1.0] * 8 + [1.5, 2.5, 4.0, 8.0] + [8.0] * 20},
     "qwen2": {"architecture": "qwen2", "attention_bias": True},
     "qwen3": {"architecture": "qwen3", "qk_norm": True, "head_dim": 128},
+    "gemma3": {
+        "architecture": "gemma3", "qk_norm": True, "head_dim": 128, "sliding_window": 64,
+        "sliding_window_pattern": 2, "rope_local_theta": 10000.0, "final_logit_softcap": 30.0,
+    },
 }
 
 
@@ -266,3 +270,7 @@ def test_each_family_cross_compiles_for_sm90_with_named_rules(family, tmp_path):
             assert "layers.0.self_attn.q_norm.weight" in dict(compiled.params)
         if config.attention_bias:
             assert compiled.dtypes["layers.0.self_attn.qkv_bias"] == "float16"
+        if config.sliding_window:
+            # the cache's sliding-window kernels, and RoPE done in the model
+            assert any("sliding_window" in name for name in kernels), sorted(kernels)
+            assert any(name.startswith("rope") or "_rope" in name for name in kernels), sorted(kernels)

@@ -36,6 +36,10 @@ FAMILY_DEFAULTS = {
     "attention_bias": False,
     "qk_norm": False,
     "rope_freq_factors": None,
+    "sliding_window": 0,
+    "sliding_window_pattern": None,
+    "rope_local_theta": None,
+    "final_logit_softcap": 0.0,
 }
 
 #: the architectures whose Q/K rows llama.cpp's converter permutes
@@ -177,9 +181,20 @@ def write_model_gguf(
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(vocab)
     writer.add_rope_dimension_count(head_dim)
-    if head_dim * n_head != hidden or arch == "qwen3":
+    if head_dim * n_head != hidden or arch in ("qwen3", "gemma3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if cfg["sliding_window"]:
+        writer.add_uint32(f"{arch}.attention.sliding_window", cfg["sliding_window"])
+    pattern = cfg["sliding_window_pattern"]
+    if isinstance(pattern, int):
+        writer.add_uint32(f"{arch}.attention.sliding_window_pattern", pattern)
+    elif pattern is not None:
+        writer.add_array(f"{arch}.attention.sliding_window_pattern", [bool(flag) for flag in pattern])
+    if cfg["rope_local_theta"] is not None:
+        writer.add_float32(f"{arch}.rope.freq_base_swa", cfg["rope_local_theta"])
+    if cfg["final_logit_softcap"]:
+        writer.add_float32(f"{arch}.final_logit_softcapping", cfg["final_logit_softcap"])
     writer.add_add_space_prefix(False)
     writer.add_add_bos_token(False)
     writer.add_tokenizer_model("gpt2")
@@ -227,10 +242,14 @@ def write_model_gguf(
             add_vector(p + "attn_q_norm.weight", weights.norm(head_dim))
             add_vector(p + "attn_k_norm.weight", weights.norm(head_dim))
         add(p + "attn_output.weight", weights.linear(hidden, n_head * head_dim))
+        if arch == "gemma3":
+            add_norm(p + "post_attention_norm.weight")
         add_norm(p + "ffn_norm.weight")
         add(p + "ffn_gate.weight", weights.linear(ffn, hidden))
         add(p + "ffn_up.weight", weights.linear(ffn, hidden))
         add(p + "ffn_down.weight", weights.linear(hidden, ffn))
+        if arch == "gemma3":
+            add_norm(p + "post_ffw_norm.weight")
     add_norm("output_norm.weight")
     if not cfg["tie_word_embeddings"]:
         add("output.weight", weights.embedding(vocab, hidden))

@@ -81,7 +81,8 @@ class Engine:
             max_queue=options.max_queue,
             retry_after=options.retry_after,
             on_preempt=lambda: self.observer.preempted(),
-            prefix_cache=options.prefix_cache,
+            # forks are what the prefix cache shares prompts through
+            prefix_cache=options.prefix_cache and executor.shares_prefixes,
             on_prefix_lookup=lambda tokens, found: self.observer.prefix_lookup(tokens, found),
         )
         self.stop_checker = StopChecker(eos_token_ids)
@@ -105,7 +106,10 @@ class Engine:
 
     @property
     def max_n(self) -> int:
-        """The most choices one request may ask for."""
+        """The most choices one request may ask for (one where the executor
+        cannot fork a sequence: choices share their prompt's KV through forks)."""
+        if not self.executor.shares_prefixes:
+            return 1
         return min(self.options.max_n, self.executor.max_num_seqs)
 
     @property
@@ -198,6 +202,11 @@ class Engine:
         if prompt_len == 0:
             raise InvalidRequestError("the prompt is empty", subject="prompt")
         if params.n > self.max_n:
+            if not self.executor.shares_prefixes:
+                raise TooManyChoices(
+                    "n must be 1 for this model: its sliding-window attention cannot share a "
+                    "prompt's KV cache between choices; send n separate requests"
+                )
             raise TooManyChoices(f"n must be at most {self.max_n}")
         if prompt_len >= self.context_length:
             raise ContextLengthExceeded(

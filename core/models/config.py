@@ -51,6 +51,17 @@ class ModelConfig:
     #: per-frequency divisors of RoPE (`rope_freqs.weight`: Llama 3.1+'s
     #: "llama3" scaling, precomputed by the converter); None: none
     rope_freq_factors: tuple[float, ...] | None = None
+    #: keys a sliding-window (local) layer attends to, itself included;
+    #: 0: every layer attends to the whole sequence
+    sliding_window: int = 0
+    #: which layers slide: one flag per layer, or every n-th layer global
+    #: (`n`: layers i with i % n < n - 1 slide, as llama.cpp reads it);
+    #: None: the family's own pattern
+    sliding_window_pattern: int | tuple[bool, ...] | None = None
+    #: RoPE base of the sliding-window layers (`rope.freq_base_swa`)
+    rope_local_theta: float | None = None
+    #: logits are squashed to ±this by tanh (`final_logit_softcapping`); 0: not
+    final_logit_softcap: float = 0.0
 
     def __post_init__(self) -> None:
         if self.rotary_dim is None:
@@ -74,6 +85,10 @@ class ModelConfig:
         def get(key: str, default: Any = None) -> Any:
             return _get(fields, f"{arch}.{key}", default)
 
+        def optional(key: str) -> Any:
+            field = fields.get(f"{arch}.{key}")
+            return None if field is None else field.contents()
+
         hidden = int(get("embedding_length"))
         heads = int(get("attention.head_count"))
         vocab = fields.get(f"{arch}.vocab_size")
@@ -88,6 +103,13 @@ class ModelConfig:
                 f"heads with {head_dim} key and {value_dim} value features are not supported"
             )
         rope_scale, factors = _rope_scaling(reader, arch, get, tensor_names, head_dim)
+        window = int(get("attention.sliding_window", 0))
+        pattern = optional("attention.sliding_window_pattern") if window else None
+        if isinstance(pattern, list):
+            pattern = tuple(bool(flag) for flag in pattern)
+        elif pattern is not None:
+            pattern = int(pattern)
+        local_theta = optional("rope.freq_base_swa") if window else None
         return cls(
             vocab_size=vocab_size,
             hidden_size=hidden,
@@ -106,6 +128,10 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             rope_scale=rope_scale,
             rope_freq_factors=factors,
+            sliding_window=window,
+            sliding_window_pattern=pattern,
+            rope_local_theta=None if local_theta is None else float(local_theta),
+            final_logit_softcap=float(optional("final_logit_softcapping") or 0.0),
         )
 
 

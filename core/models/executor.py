@@ -88,6 +88,11 @@ class Executor(abc.ABC):
     max_sequence_length: int
     #: vocabulary size, the logits' second dimension
     vocab_size: int
+    #: whether a forked sequence attends over its parent's KV pages as over
+    #: its own; False (a model with sliding-window layers on TVM's cache)
+    #: turns the prefix cache off and limits `n` to 1, and
+    #: `fork_sequence` is never called
+    shares_prefixes: bool = True
 
     @abc.abstractmethod
     def add_sequence(self, seq_id: int) -> None:

@@ -35,6 +35,13 @@ BUILTIN_FAMILIES = (
         hf_architectures=("Qwen3ForCausalLM",),
         hf_config={"qk_norm": True},
     ),
+    # no Hugging Face architectures: its directories store norms without
+    # Gemma's +1, which llama.cpp's converter adds
+    ModelFamily(
+        "gemma3",
+        ("gemma3",),
+        networks={"tvm": f"{_NETWORKS}.gemma3:Gemma3ForCausalLM"},
+    ),
 )
 
 

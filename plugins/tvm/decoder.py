@@ -89,7 +89,7 @@ class Attention(nn.Module):
         )
         self.sm_scale = config.head_dim**-0.5
 
-    def _qkv(self, x: Tensor, row_tile: int) -> Tensor:
+    def _qkv(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
         b, s, _ = x.shape
         qkv = self.qkv_proj(x, row_tile)
         if hasattr(self, "qkv_bias"):
@@ -106,7 +106,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
         b, s, _ = x.shape
-        qkv = self._qkv(x, row_tile)
+        qkv = self._qkv(x, kv_cache, row_tile)
         if self.kv_dtype != self.act_dtype:
             qkv = qkv.astype(self.kv_dtype)
         out = kv_cache.attention_with_fused_qkv(
@@ -169,6 +169,16 @@ class DecoderForCausalLM(nn.Module):
     """
 
     layer_class = DecoderLayer
+
+    @classmethod
+    def max_prefill_chunk(cls, config: ModelConfig) -> int | None:
+        """The most tokens one prefill call may carry for this network (None: no limit of its own)."""
+        return None
+
+    @classmethod
+    def shares_prefixes(cls, config: ModelConfig) -> bool:
+        """Whether forked sequences may share KV pages (`Executor.shares_prefixes`)."""
+        return True
 
     def __init__(self, config: ModelConfig, target: Target, formats: dict | None = None) -> None:
         self.config = config

@@ -111,6 +111,7 @@ class TVMExecutor(Executor):
         permuted_qk = family.permuted_qk and not os.path.isdir(model_file.path)
         if options.quantize:
             tensors = QuantizedAtLoad(tensors, options.quantize, config)
+        network = family.network("tvm")
         formats = linear_formats(tensors, config)
         cuda = target.kind.name == "cuda"
         self.compiled = compile_model(
@@ -120,7 +121,7 @@ class TVMExecutor(Executor):
             options.progress,
             formats,
             max_batch=options.max_num_seqs if cuda else None,
-            network=family.network("tvm"),
+            network=network,
         )
         self.device = tvm.cuda(0) if cuda else tvm.cpu(0)
 
@@ -165,7 +166,10 @@ class TVMExecutor(Executor):
 
         self.page_size = PAGE_SIZE
         self.max_num_seqs = options.max_num_seqs
-        self.prefill_chunk_size = options.prefill_chunk_size
+        # a network may bound its chunks (Gemma 3: no longer than its window)
+        limit = getattr(network, "max_prefill_chunk", lambda _config: None)(config)
+        self.prefill_chunk_size = min(options.prefill_chunk_size, limit or options.prefill_chunk_size)
+        self.shares_prefixes = getattr(network, "shares_prefixes", lambda _config: True)(config)
         buckets = DECODE_BUCKETS if cuda else ()
         self._set_decode_buckets(buckets)
         pages = math.ceil(options.max_total_tokens / PAGE_SIZE)
@@ -175,7 +179,7 @@ class TVMExecutor(Executor):
             Shape([options.max_num_seqs + self._max_pad]),
             Shape([(pages + self._max_pad) * PAGE_SIZE]),
             # a decode batch past the buckets is one prefill of a token each
-            Shape([max(options.prefill_chunk_size, options.max_num_seqs if buckets else 0)]),
+            Shape([max(self.prefill_chunk_size, options.max_num_seqs if buckets else 0)]),
             Shape([PAGE_SIZE]),
         )
         self.total_pages = int(self._available_pages(self._kv)) - self._max_pad
@@ -217,6 +221,8 @@ class TVMExecutor(Executor):
 
     def fork_sequence(self, parent_id: int, child_id: int, position: int | None = None) -> None:
         self._check_open()
+        if not self.shares_prefixes:
+            raise ValueError("this model's sequences cannot be forked (shares_prefixes is False)")
         parent_id = self._known(parent_id)
         child_id = self._as_id(child_id)
         if child_id in self._lengths:

@@ -99,3 +99,29 @@ def frequency_factor_rope():
         yield
     finally:
         kv_cache.llama_rope_with_position_map = original
+
+
+def rotate_halves_te(qkv, positions, q_heads: int, kv_heads: int, rotary_dim: int, theta: float, scale: float):
+    """RoPE in the model rather than in the KV cache (for models whose
+    layers rotate with different bases, which one cache setting cannot
+    hold): fused (b, s, heads, d) Q/K/V with Q and K rotated by halves at
+    the tokens' `positions` ((b * s,) int32, the cache's query positions),
+    V passed through.
+    """
+    from tvm import te
+
+    b, s, heads, d = qkv.shape
+    half = rotary_dim // 2
+
+    def body(i, j, h, f):
+        x = qkv[i, j, h, f].astype("float32")
+        k = f % half
+        exponent = (2 * k).astype("float32") / tirx.const(rotary_dim, "float32")
+        position = positions[i * s + j].astype("float32") * tirx.const(scale, "float32")
+        angle = position / tirx.power(tirx.const(theta, "float32"), exponent)
+        partner = tirx.if_then_else(f < half, -qkv[i, j, h, f + half], qkv[i, j, h, f - half]).astype("float32")
+        rotated = tirx.cos(angle) * x + tirx.sin(angle) * partner
+        keep = tirx.any(h >= q_heads + kv_heads, f >= rotary_dim)
+        return tirx.Select(keep, x, rotated).astype(qkv.dtype)
+
+    return te.compute(qkv.shape, body, name="rope")

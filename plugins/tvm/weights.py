@@ -447,6 +447,10 @@ def _layer_vector(tensors: GGUFTensors, c: ModelConfig, name: str, permuted_qk: 
         "post_attention_layernorm.weight": ("ffn_norm.weight", c.hidden_size),
         "self_attn.q_norm.weight": ("attn_q_norm.weight", c.head_dim),
         "self_attn.k_norm.weight": ("attn_k_norm.weight", c.head_dim),
+        # Gemma 3's norms around attention and MLP
+        "post_attention_norm.weight": ("post_attention_norm.weight", c.hidden_size),
+        "pre_feedforward_layernorm.weight": ("ffn_norm.weight", c.hidden_size),
+        "post_feedforward_layernorm.weight": ("post_ffw_norm.weight", c.hidden_size),
     }
     if leaf in norms:
         tensor, size = norms[leaf]

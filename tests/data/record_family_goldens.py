@@ -32,6 +32,14 @@ from tiny_model import write_tiny_gguf  # noqa: E402
 #: Llama 3.1's factors at the tiny head size (see test_model_families)
 LLAMA3_FACTORS = [1.0, 1.0, 1.0, 1.6, 3.2, 8.0, 8.0, 8.0]
 
+#: Gemma 3's parts: every second layer global, local layers of a 64-token
+#: window rotating with their own base, soft-capped logits
+GEMMA3 = {
+    "architecture": "gemma3", "qk_norm": True, "head_dim": 32, "num_layers": 4,
+    "sliding_window": 64, "sliding_window_pattern": 2, "rope_local_theta": 10000.0,
+    "rope_theta": 1000000.0, "final_logit_softcap": 30.0, "context_length": 4096,
+}
+
 #: name: (writer overrides, prompt length, greedy steps)
 CASES = {
     "llama": ({}, 24, 40),
@@ -40,6 +48,8 @@ CASES = {
     ),
     "qwen2": ({"architecture": "qwen2", "attention_bias": True}, 24, 40),
     "qwen3": ({"architecture": "qwen3", "qk_norm": True, "head_dim": 32, "rope_theta": 1000000.0}, 24, 40),
+    "gemma3": (dict(GEMMA3, sliding_window=16), 24, 40),
+    "gemma3-window-2048": (GEMMA3, 2048, 40),
 }
 
 #: every case has its own LM head: with tied embeddings a random model's
