@@ -1,4 +1,4 @@
-"""Random-weight llama GGUF files of real models' shapes, for measuring
+"""Random-weight GGUF files of real models' shapes (Llama, Qwen2.5, Qwen3, Gemma 3), for measuring
 lockgate where no real model is at hand (the offline GPU host: see
 benchmarks/gpu_check.sh).
 
@@ -33,10 +33,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from tiny_model import TINY_CONFIG, NumpyWeights, tiny_vocab, write_model_gguf  # noqa: E402
 
+from lockgate.models.hf import llama3_rope_factors  # noqa: E402
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A llama architecture: `config` holds every key of `TINY_CONFIG`."""
+    """A model's architecture: `config` holds every key of `TINY_CONFIG`
+    and those of `tiny_model.FAMILY_DEFAULTS` it sets."""
 
     name: str
     config: dict
@@ -51,8 +54,17 @@ class Shape:
         return self.vocab_size * c["hidden_size"] + c["num_layers"] * (attn + mlp) + norms + head
 
 
+#: Llama 3.2's RoPE scaling, as llama.cpp's converter writes it (`rope_freqs.weight`)
+LLAMA_3_2_FACTORS = list(
+    llama3_rope_factors(
+        {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        500000.0,
+        64,
+    )
+)
+
 SHAPES = {
-    # meta-llama/Llama-3.2-1B (its llama3 RoPE scaling is not written: lockgate does not read it)
+    # meta-llama/Llama-3.2-1B, with its llama3 RoPE scaling
     "llama-3.2-1b": Shape(
         "llama-3.2-1b",
         {
@@ -66,8 +78,68 @@ SHAPES = {
             "rope_theta": 500000.0,
             "rms_norm_eps": 1e-5,
             "tie_word_embeddings": True,
+            "rope_freq_factors": LLAMA_3_2_FACTORS,
         },
         128256,
+    ),
+    # Qwen/Qwen2.5-0.5B-Instruct
+    "qwen2.5-0.5b": Shape(
+        "qwen2.5-0.5b",
+        {
+            "architecture": "qwen2",
+            "attention_bias": True,
+            "num_layers": 24,
+            "hidden_size": 896,
+            "num_heads": 14,
+            "num_kv_heads": 2,
+            "head_dim": 64,
+            "intermediate_size": 4864,
+            "context_length": 32768,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+        151936,
+    ),
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": Shape(
+        "qwen3-0.6b",
+        {
+            "architecture": "qwen3",
+            "qk_norm": True,
+            "num_layers": 28,
+            "hidden_size": 1024,
+            "num_heads": 16,
+            "num_kv_heads": 8,
+            "head_dim": 128,
+            "intermediate_size": 3072,
+            "context_length": 40960,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+        151936,
+    ),
+    # google/gemma-3-270m-it: local layers of a 512-token window, every sixth global
+    "gemma3-270m": Shape(
+        "gemma3-270m",
+        {
+            "architecture": "gemma3",
+            "qk_norm": True,
+            "num_layers": 18,
+            "hidden_size": 640,
+            "num_heads": 4,
+            "num_kv_heads": 1,
+            "head_dim": 256,
+            "intermediate_size": 2048,
+            "context_length": 32768,
+            "rope_theta": 1000000.0,
+            "rope_local_theta": 10000.0,
+            "sliding_window": 512,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+        },
+        262144,
     ),
     # HuggingFaceTB/SmolLM2-135M, the default model's architecture
     "smollm2-135m": Shape(

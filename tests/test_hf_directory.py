@@ -17,7 +17,7 @@ from tiny_model import write_hf_directory, write_tiny_gguf  # noqa: E402
 
 from lockgate.errors import ModelLoadError  # noqa: E402
 from lockgate.models.executor import ExecutorOptions  # noqa: E402
-from lockgate.models.hf import _llama3_factors  # noqa: E402
+from lockgate.models.hf import llama3_rope_factors  # noqa: E402
 from lockgate.models.loading import open_model  # noqa: E402
 from lockgate.plugin_api.manager import get_plugin_manager  # noqa: E402
 
@@ -124,7 +124,7 @@ def test_llama3_rope_factors_follow_the_smoothed_frequencies():
     other way round: f' = (1 - s) f / factor + s f, s = clamp(α f − β)."""
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    factors = np.asarray(_llama3_factors(scaling, 500000.0, 128))
+    factors = np.asarray(llama3_rope_factors(scaling, 500000.0, 128))
     freq = 500000.0 ** (-np.arange(0, 128, 2) / 128)
     alpha = 8192 / (2 * math.pi) / (4.0 - 1.0)
     beta = 1.0 / (4.0 - 1.0)

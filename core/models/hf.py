@@ -48,7 +48,7 @@ def _read_json(path: pathlib.Path) -> dict:
     return value
 
 
-def _llama3_factors(scaling: dict, theta: float, rotary_dim: int) -> tuple[float, ...]:
+def llama3_rope_factors(scaling: dict, theta: float, rotary_dim: int) -> tuple[float, ...]:
     """Llama 3.1's per-frequency RoPE divisors from its `rope_scaling`, as
     llama.cpp's converter computes `rope_freqs.weight`: wavelengths shorter
     than `original / high_freq_factor` keep their frequency, longer than
@@ -102,7 +102,7 @@ def read_hf_config(directory: pathlib.Path, families: ModelFamilies) -> tuple[Mo
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     factors, scale = None, 1.0
     if kind == "llama3":
-        factors = _llama3_factors(scaling, theta, rotary_dim)
+        factors = llama3_rope_factors(scaling, theta, rotary_dim)
     elif kind == "linear":
         scale = 1.0 / float(scaling.get("factor", 1.0))
     elif kind != "default":
