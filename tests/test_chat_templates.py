@@ -20,7 +20,8 @@ import types
 
 import pytest
 
-from lockgate.models.gguf_metadata import GGUFMetadata
+from lockgate.errors import InvalidMessages
+from lockgate.models.gguf_metadata import GGUFMetadata, MetadataField
 from lockgate.models.loading import registered_tool_call_formats
 from lockgate.models.tokenizer import load_tokenizer
 from lockgate.plugin_api.manager import get_plugin_manager
@@ -48,24 +49,7 @@ TEMPLATES = {
     "microsoft-Phi-3.5-mini-instruct": ("phi-3", "generic"),
 }
 
-NO_SYSTEM_ROLE = (
-    "Gemma 2's template refuses a system message (400); llama.cpp merges it into the next "
-    "message for a template without a system role, lockgate passes it on as it is"
-)
-TOOL_USE_ONLY = (
-    "a tool_use template loops over `tools` unguarded: without tools it raises TypeError, a 500. "
-    "GGUF files carry it as tokenizer.chat_template.tool_use beside a plain default, which "
-    "llama.cpp picks when no tools are offered; lockgate reads only tokenizer.chat_template"
-)
 KNOWN = {
-    ("conversation", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"): TOOL_USE_ONLY,
-    ("bos", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"): TOOL_USE_ONLY,
-    ("conversation", "google-gemma-2-2b-it"): NO_SYSTEM_ROLE,
-    ("tools", "google-gemma-2-2b-it"): (
-        "the tool instructions go into a system message, which Gemma 2's template refuses: every "
-        "request with tools is a 400 (llama.cpp would merge it into the first user message)"
-    ),
-    ("history", "google-gemma-2-2b-it"): NO_SYSTEM_ROLE,
     ("history", "mistralai-Mistral-Nemo-Instruct-2407"): (
         "Mistral's templates want tool call ids of 9 letters and digits; lockgate's are "
         "'call_' and 24 hex digits, so a client sending back its calls gets a 400"
@@ -73,11 +57,6 @@ KNOWN = {
     ("history", "Mistral-Small-3.2-24B-Instruct-2506"): (
         "Mistral's templates want tool call ids of 9 letters and digits; lockgate's are "
         "'call_' and 24 hex digits, so a client sending back its calls gets a 400"
-    ),
-    ("bos", "microsoft-Phi-3.5-mini-instruct"): (
-        "the template writes no <s> and the vocabulary asks for BOS (add_bos_token): llama.cpp's "
-        "server strips a BOS the template wrote and tokenizes with add_special, so its prompt "
-        "starts with one BOS; lockgate's chat path adds none"
     ),
     ("format", "Qwen3-Coder"): (
         "Qwen3-Coder writes <tool_call><function=name><parameter=key>value</parameter>...; no "
@@ -117,14 +96,44 @@ def plugin_manager():
     return get_plugin_manager(autoload=False)
 
 
+#: Hermes 3's default template (ChatML), which its GGUF files carry as
+#: tokenizer.chat_template beside the tool_use one llama.cpp ships
+HERMES_DEFAULT = (
+    "{{bos_token}}{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def template_text(name: str) -> str:
+    return (reference_models_dir() / "templates" / f"{name}.jinja").read_text("utf-8")
+
+
+def vocabulary(name: str) -> GGUFMetadata:
+    vocab, _ = TEMPLATES[name]
+    return GGUFMetadata(reference_models_dir() / f"ggml-vocab-{vocab}.gguf")
+
+
+def with_tool_use_template(name: str) -> GGUFMetadata:
+    metadata = vocabulary(name)
+    metadata.fields["tokenizer.chat_template"] = MetadataField(HERMES_DEFAULT)
+    metadata.fields["tokenizer.chat_template.tool_use"] = MetadataField(template_text(name))
+    return metadata
+
+
 @functools.cache
 def model(name: str):
     """What the prompt hooks read of a model: its name, tokenizer (with the
-    template) and tool-call format."""
-    vocab, _ = TEMPLATES[name]
-    models = reference_models_dir()
-    template = (models / "templates" / f"{name}.jinja").read_text("utf-8")
-    tokenizer = load_tokenizer(GGUFMetadata(models / f"ggml-vocab-{vocab}.gguf"), chat_template=template)
+    template) and tool-call format. A `-tool_use` template is what a GGUF
+    file carries as `tokenizer.chat_template.tool_use`, beside the model's
+    plain default; the others replace the vocabulary's template."""
+    template = template_text(name)
+    if name.endswith("-tool_use"):
+        tokenizer = load_tokenizer(with_tool_use_template(name))
+    else:
+        tokenizer = load_tokenizer(vocabulary(name), chat_template=template)
+    # the format the template offering tools writes (llama.cpp reads calls
+    # by the template it rendered with)
     formats = registered_tool_call_formats(plugin_manager())
     return types.SimpleNamespace(
         name=name, tokenizer=tokenizer, tool_call_format=choose_tool_call_format(formats, None, template)
@@ -195,3 +204,40 @@ def test_renders_an_earlier_call_and_its_result(name):
 def test_tool_call_format_is_the_one_the_model_writes(name):
     _, expected = TEMPLATES[name]
     assert model(name).tool_call_format.name == expected
+
+
+def test_a_system_message_goes_into_the_first_turn_where_the_template_has_no_system_role():
+    # llama.cpp: the system text, a newline, then the next message's
+    prompt, _ = serve("google-gemma-2-2b-it", CONVERSATION)
+    assert "<start_of_turn>user\nBe brief.\nHi there<end_of_turn>" in prompt
+    alone, _ = serve("google-gemma-2-2b-it", {"messages": [{"role": "system", "content": "Be brief."}]})
+    assert "<start_of_turn>user\nBe brief.<end_of_turn>" in alone  # not dropped, as llama.cpp would
+    # a template with a system role keeps it as it is
+    prompt, _ = serve("Qwen-Qwen2.5-7B-Instruct", CONVERSATION)
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in prompt
+
+
+def test_the_tool_use_template_renders_requests_with_tools_and_the_default_the_others():
+    name = "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"
+    assert set(model(name).tokenizer.named_chat_templates) == {"tool_use"}
+    tools = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS}
+    assert "function calling AI model" in serve(name, tools)[0]
+    plain, _ = serve(name, {**tools, "tool_choice": "none"})  # tools the model does not see
+    assert "function calling AI model" not in plain and plain.endswith("<|im_start|>assistant\n")
+    # an override replaces the file's templates, named ones too (llama.cpp's --chat-template)
+    overridden = load_tokenizer(with_tool_use_template(name), chat_template=template_text(name))
+    assert overridden.named_chat_templates == {}
+
+
+def test_a_template_that_breaks_on_a_request_refuses_it_as_a_400():
+    # the tool_use template alone (as --chat-template), asked without tools:
+    # its unguarded loop over `tools` raises TypeError, which was a 500
+    name = "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"
+    only = types.SimpleNamespace(
+        name=name, tokenizer=load_tokenizer(vocabulary(name), chat_template=template_text(name)),
+        tool_call_format=model(name).tool_call_format,
+    )
+    request = parse_request(CHAT_ENDPOINT, CONVERSATION, request_id="t")
+    with pytest.raises(InvalidMessages, match="TypeError") as refused:
+        plugin_manager().hook.lockgate_render_prompt(request=request, model=only)
+    assert (refused.value.status, refused.value.param) == (400, "messages")

@@ -182,6 +182,20 @@ async def test_template_refusal_is_invalid_messages(load_tiny, make_client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+async def test_a_template_that_fails_on_the_request_is_a_400_not_a_500(load_tiny, make_client, stream, caplog):
+    """A template whose code breaks on these messages (a Hermes tool_use
+    template loops over `tools` unguarded: TypeError without tools) cannot
+    render this request: a 400 the SDK does not retry, and a log line."""
+    template = "{% for tool in tools %}{{ tool }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    client = await make_client(load_tiny(chat_template=template))
+    error = await assert_error(
+        await client.post(CHAT, json={**GOOD, "stream": stream}), 400, "invalid_request_error",
+        "invalid_messages", "messages",
+    )
+    assert "TypeError" in error["message"] and "TypeError" in caplog.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
 async def test_context_length_exceeded(tiny_model, make_client, stream):
     client = await make_client(tiny_model)
     long_prompt = {**GOOD, "stream": stream, "messages": [{"role": "user", "content": "the cat " * 400}]}

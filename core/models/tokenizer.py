@@ -283,7 +283,10 @@ def load_tokenizer(reader, *, chat_template: str | None = None) -> PreTrainedTok
     :param chat_template: a Jinja chat template that replaces the file's
         `tokenizer.chat_template` (the `--chat-template` option).
     :returns: a transformers fast tokenizer whose `chat_template` is the
-        override if given, else the file's template (None if it has none).
+        override if given, else the file's template (None if it has none),
+        and whose `named_chat_templates` maps the names of the file's named
+        templates (`tokenizer.chat_template.<name>`) to their text (none
+        with an override).
     :raises ModelLoadError: the file has no tokenizer, or one of a kind or
         pre-tokenizer this loader does not implement.
     """
@@ -348,9 +351,17 @@ def load_tokenizer(reader, *, chat_template: str | None = None) -> PreTrainedTok
     add_eos = bool(_scalar(reader, "tokenizer.ggml.add_eos_token", False))
 
     template = chat_template
+    named_templates = {}
     if template is None:
         template = _scalar(reader, "tokenizer.chat_template")
-    return PreTrainedTokenizerFast(
+        # llama.cpp's named templates (`tokenizer.chat_template.tool_use`
+        # beside a plain default, as Hermes and Command-R files carry them);
+        # an override replaces them all, as in llama.cpp
+        prefix = "tokenizer.chat_template."
+        named_templates = {
+            key[len(prefix):]: str(_scalar(reader, key)) for key in reader.fields if key.startswith(prefix)
+        }
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         add_bos_token=bool(add_bos) and special["bos_token"] is not None,
         add_eos_token=add_eos and special["eos_token"] is not None,
@@ -361,6 +372,10 @@ def load_tokenizer(reader, *, chat_template: str | None = None) -> PreTrainedTok
         chat_template=template,
         **special,
     )
+    # beside `chat_template`, which stays the default's text: the chat
+    # template plugin picks `tool_use` when tools are offered
+    tokenizer.named_chat_templates = named_templates
+    return tokenizer
 
 
 def _byte_level_backend(reader, token_ids: dict[str, int], spec: _PreTokenizerSpec) -> Tokenizer:

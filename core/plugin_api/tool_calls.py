@@ -1,4 +1,5 @@
-"""Tool calling's plugin interface: what a tool-call format is.
+"""Tool calling's plugin interface: what a tool-call format is, and which
+chat template a request with tools is rendered with.
 
 A model family writes tool calls its own way (a JSON envelope, Hermes'
 `<tool_call>` tags, Llama 3's bare JSON, Mistral's `[TOOL_CALLS]`). A
@@ -38,13 +39,18 @@ class Tool:
         return {"type": "function", "function": function}
 
 
+def new_call_id() -> str:
+    """A fresh call id as OpenAI's look: `call_` and 24 hex digits."""
+    return "call_" + secrets.token_hex(12)
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
     """A call of a tool: its id, the tool's name and the arguments as JSON text."""
 
     name: str
     arguments: str
-    id: str = dataclasses.field(default_factory=lambda: "call_" + secrets.token_hex(12))
+    id: str = dataclasses.field(default_factory=new_call_id)
 
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -166,6 +172,26 @@ class ToolCallFormat(abc.ABC):
     def stream(self) -> "StreamedOutput":
         return StreamedOutput(self)
 
+    def with_tools(self, tools: Sequence[Tool]) -> "ToolCallFormat":
+        """This format for one request that offers `tools`: a format whose
+        output says less than the schemas (Qwen3-Coder's parameters are
+        bare text, whatever their type) reads it by them. The server calls
+        it before `parse` and `stream`; the default is the format itself."""
+        return self
+
+    def new_call_id(self) -> str:
+        """An id for a call read from the output (`call_` and 24 hex digits
+        by default; a model whose template checks the ids it sent back,
+        Mistral's, needs them in its own shape)."""
+        return new_call_id()
+
+    def template_call_id(self, call_id: str) -> str:
+        """The id the chat template gets for an earlier call's `call_id`
+        (in `tool_calls[].id` and the answering `tool_call_id` alike), for
+        a template that refuses ids of another shape. The same id always
+        maps to the same one. The default passes it on."""
+        return call_id
+
 
 class StreamedOutput:
     """Reads a streamed output: text is passed on as it comes until a call
@@ -219,6 +245,36 @@ def _partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+#: the name of the template a model uses when tools are offered (GGUF's
+#: `tokenizer.chat_template.tool_use`, Hugging Face's named templates)
+TOOL_USE = "tool_use"
+
+
+def named_chat_templates(tokenizer) -> dict[str, str]:
+    """The tokenizer's chat templates by name: "default" for its
+    `chat_template`, and the named ones beside it (a GGUF's
+    `tokenizer.chat_template.<name>`, kept in `named_chat_templates` by the
+    tokenizer loader; a Hugging Face tokenizer's `chat_template` may itself
+    be such a mapping)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return {name: text for name, text in template.items() if text}
+    named = dict(getattr(tokenizer, "named_chat_templates", None) or {})
+    if template:
+        named["default"] = template
+    return named
+
+
+def chat_template_for(tokenizer, *, tools: bool) -> str | None:
+    """The template a request is rendered with, as llama.cpp's server picks
+    it: the `tool_use` template when tools are offered and the model has
+    one, else the default (or `tool_use` when that is all there is)."""
+    templates = named_chat_templates(tokenizer)
+    if tools and TOOL_USE in templates:
+        return templates[TOOL_USE]
+    return templates.get("default") or templates.get(TOOL_USE)
 
 
 def choose_tool_call_format(
