@@ -17,8 +17,12 @@ are tried first.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import re
+import secrets
+import string
 from collections.abc import Sequence
 
 from lockgate.plugin_api.hookspecs import hookimpl
@@ -282,14 +286,22 @@ class MistralFormat(ToolCallFormat):
         body = text.strip()
         named = self._NAMED.findall(body)
         if named:
-            return ParsedOutput(None, [ToolCall(name, arguments_text(_json(args) or {})) for name, args in named])
+            return ParsedOutput(None, [
+                ToolCall(name, arguments_text(_json(args) or {}), id=self.new_call_id()) for name, args in named
+            ])
         head, tag, rest = body.partition(self._TAG)
         candidate = rest if tag else body
         decoded = _json(candidate.strip())
         if isinstance(decoded, list) and decoded:
             calls = _calls_from(decoded)
             if calls is not None:
-                return ParsedOutput(head.strip() or None, calls)
+                # Nemo's template writes each call's id after it: a model
+                # that writes one in the right shape keeps it
+                ids = [item.get("id") for item in decoded]
+                return ParsedOutput(head.strip() or None, [
+                    dataclasses.replace(call, id=i if _is_mistral_id(i) else self.new_call_id())
+                    for call, i in zip(calls, ids)
+                ])
         return ParsedOutput(text or None, [])
 
     def start_markers(self):
@@ -297,6 +309,35 @@ class MistralFormat(ToolCallFormat):
 
     def leading_markers(self):
         return ("[",)
+
+    def new_call_id(self):
+        # Mistral's templates refuse an id that is not 9 letters and digits
+        # ("Tool call IDs should be alphanumeric strings with length 9!"),
+        # as Mistral's API does; vLLM makes them so for these models too
+        return "".join(secrets.choice(_ID_ALPHABET) for _ in range(_ID_LENGTH))
+
+    def template_call_id(self, call_id):
+        """An id of another shape (another server's, or lockgate's own from
+        before) as 9 letters and digits from its hash: the same id maps the
+        same way in the call and in its result, and in every later request
+        of the conversation (vLLM keeps the last 9 characters, which two
+        ids can share)."""
+        if _is_mistral_id(call_id):
+            return call_id
+        number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+        digits = []
+        for _ in range(_ID_LENGTH):
+            number, digit = divmod(number, len(_ID_ALPHABET))
+            digits.append(_ID_ALPHABET[digit])
+        return "".join(digits)
+
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+_ID_LENGTH = 9
+
+
+def _is_mistral_id(value) -> bool:
+    return isinstance(value, str) and len(value) == _ID_LENGTH and all(c in _ID_ALPHABET for c in value)
 
 
 #: in the order they are tried against a template: the catch-all last

@@ -16,6 +16,7 @@ what goes wrong.
 from __future__ import annotations
 
 import functools
+import re
 import types
 
 import pytest
@@ -50,14 +51,6 @@ TEMPLATES = {
 }
 
 KNOWN = {
-    ("history", "mistralai-Mistral-Nemo-Instruct-2407"): (
-        "Mistral's templates want tool call ids of 9 letters and digits; lockgate's are "
-        "'call_' and 24 hex digits, so a client sending back its calls gets a 400"
-    ),
-    ("history", "Mistral-Small-3.2-24B-Instruct-2506"): (
-        "Mistral's templates want tool call ids of 9 letters and digits; lockgate's are "
-        "'call_' and 24 hex digits, so a client sending back its calls gets a 400"
-    ),
     ("format", "Qwen3-Coder"): (
         "Qwen3-Coder writes <tool_call><function=name><parameter=key>value</parameter>...; no "
         "format reads that, and hermes (picked for the <tool_call> tag) expects JSON inside"
@@ -241,3 +234,21 @@ def test_a_template_that_breaks_on_a_request_refuses_it_as_a_400():
     with pytest.raises(InvalidMessages, match="TypeError") as refused:
         plugin_manager().hook.lockgate_render_prompt(request=request, model=only)
     assert (refused.value.status, refused.value.param) == (400, "messages")
+
+
+def test_mistral_gets_a_call_and_its_result_under_one_id_of_its_shape():
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": CALL_ID, "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }]},
+            {"role": "tool", "tool_call_id": CALL_ID, "content": "18 C and sunny"},
+        ],
+        "tools": TOOLS,
+    }
+    prompt, _ = serve("mistralai-Mistral-Nemo-Instruct-2407", body)
+    [called] = re.findall(r'"id": "(\w+)"', prompt)
+    [answered] = re.findall(r'"call_id": "(\w+)"', prompt)
+    assert called == answered and re.fullmatch("[A-Za-z0-9]{9}", called)

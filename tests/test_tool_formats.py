@@ -5,6 +5,7 @@ compiles. The recorded outputs follow each format's documentation."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -59,6 +60,10 @@ RECORDED = [
 ]
 
 
+#: the call ids a format makes, where they are not OpenAI's `call_` and 24 hex digits
+ID_SHAPES = {"mistral": "[A-Za-z0-9]{9}"}
+
+
 def calls_of(parsed):
     return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
 
@@ -68,7 +73,7 @@ def test_a_whole_output_is_read(name, output, content, calls):
     parsed = BUILT_IN_FORMATS[name]().parse(output)
     assert parsed.content == content
     assert calls_of(parsed) == calls
-    assert all(c.id.startswith("call_") for c in parsed.calls)
+    assert all(re.fullmatch(ID_SHAPES.get(name, "call_[0-9a-f]{24}"), c.id) for c in parsed.calls)
 
 
 @pytest.mark.parametrize("name, output, content, calls", RECORDED)
@@ -81,6 +86,21 @@ def test_a_streamed_output_split_anywhere_reads_the_same(name, output, content, 
         assert calls_of(end) == calls, cut
         if calls:  # nothing of a call leaks out as text
             assert "{" not in sent and "tool_call" not in sent, cut
+
+
+def test_mistral_keeps_an_id_it_wrote_and_maps_others_the_same_way_each_time():
+    fmt = BUILT_IN_FORMATS["mistral"]()
+    # Nemo's template shows the model its calls' ids after the arguments
+    [call] = fmt.parse('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "aZ3kq9Pw0"}]').calls
+    assert call.id == "aZ3kq9Pw0"
+    [call] = fmt.parse('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}, "id": "call_1"}]').calls
+    assert re.fullmatch("[A-Za-z0-9]{9}", call.id)
+    # ids of other shapes sent back in history reach the template in its shape
+    assert fmt.template_call_id("aZ3kq9Pw0") == "aZ3kq9Pw0"
+    mapped = {fmt.template_call_id(f"call_{i:024x}") for i in range(1000)}
+    assert len(mapped) == 1000 and all(re.fullmatch("[A-Za-z0-9]{9}", m) for m in mapped)
+    assert fmt.template_call_id("call_0") == BUILT_IN_FORMATS["mistral"]().template_call_id("call_0")
+    assert BUILT_IN_FORMATS["hermes"]().template_call_id("call_0") == "call_0"
 
 
 def test_text_streams_out_as_it_comes():
