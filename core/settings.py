@@ -161,7 +161,8 @@ SETTINGS: tuple[Setting, ...] = (
             "responses `/v1/responses` keeps for `previous_response_id` (least recently used out; "
             "in memory, lost on restart)"),
     Setting("tool_call_format", str, None,
-            "how the model writes tool calls: `generic`, `hermes`, `llama3`, `mistral` or a plugin's format",
+            "how the model writes tool calls: `generic`, `hermes`, `qwen3-coder`, `llama3`, `mistral`, `gemma4` "
+            "or a plugin's format",
             default_text="from the chat template"),
     Setting("max_tool_calls", int, 16,
             "most tool calls one answer may carry: the grammar that constrains calls (`tool_choice` "

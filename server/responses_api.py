@@ -178,7 +178,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     request[PIPELINE_REQUEST] = typed
     handles = await run_pipeline(request.config_dict[PLUGIN_MANAGER], typed, model)
     request[HANDLES] = handles
-    tool_format = model.tool_call_format if typed.reads_tool_output else None
+    tool_format = None
+    if typed.reads_tool_output and model.tool_call_format is not None:
+        tool_format = model.tool_call_format.with_tools(typed.offered_tools)
     builder = ResponseBuilder(typed, model.name)
     try:
         if typed.stream:

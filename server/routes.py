@@ -223,8 +223,10 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     builder = ResponseBuilder(
         chat=typed.is_chat, request_id=typed.id, model=model.name, token_bytes=model.token_bytes
     )
-    # the model's tool calls are read out of its text here
-    tool_format = model.tool_call_format if isinstance(typed, ChatRequest) and typed.reads_tool_output else None
+    # the model's tool calls are read out of its text here, by the tools offered
+    tool_format = None
+    if isinstance(typed, ChatRequest) and typed.reads_tool_output and model.tool_call_format is not None:
+        tool_format = model.tool_call_format.with_tools(typed.offered_tools)
     try:
         if typed.stream:
             return await _stream(request, typed, handles, builder, tool_format)

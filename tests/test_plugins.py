@@ -277,7 +277,7 @@ def test_cli_lists_plugins_and_hooks(installed_plugins):
     ).stdout
     assert "lockgate_teapot  (lockgate-teapot 1.0)" in text
     assert "    lockgate_render_prompt" in text
-    assert "tool-call formats (tried in this order): hermes, mistral, llama3, generic" in text
+    assert "tool-call formats (tried in this order): qwen3-coder, hermes, mistral, llama3, gemma4, generic" in text
 
 
 @pytest.mark.parametrize("command", [["plugins"], ["serve", "--port", "0"]])

@@ -57,6 +57,23 @@ RECORDED = [
      None, [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Lima"}', None, [("get_weather", {"city": "Lima"})]),
     ("mistral", "No tools needed [really].", "No tools needed [really].", []),
+    ("qwen3-coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                    "</tool_call>", None, [("get_weather", {"city": "Paris"})]),
+    ("qwen3-coder", "Let me check.\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n"
+                    "3.5\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n"
+                    "<parameter=city>\nSan Jose,\nCA\n</parameter>\n<parameter=unit>\nf\n</parameter>\n</function>\n"
+                    "</tool_call>",
+     "Let me check.", [("add", {"a": 2, "b": 3.5}), ("get_weather", {"city": "San Jose,\nCA", "unit": "f"})]),
+    ("qwen3-coder", "The answer is 5.", "The answer is 5.", []),
+    ("qwen3-coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n", None, []),  # cut short
+    ("qwen3-coder", "<tool_call>\n", None, []),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>', None, [("get_weather", {"city": "Paris"})]),
+    ("gemma4", 'Let me check.<|tool_call>call:add{a:2,b:3.5}<tool_call|><|tool_call>call:get_weather{city:<|"|>Oslo, '
+               'Norway<|"|>,unit:<|"|>c<|"|>}<tool_call|>',
+     "Let me check.", [("add", {"a": 2, "b": 3.5}), ("get_weather", {"city": "Oslo, Norway", "unit": "c"})]),
+    ("gemma4", '<|tool_call>call:add{"a": 1, "b": 2}<tool_call|>', None, [("add", {"a": 1, "b": 2})]),  # its grammar's
+    ("gemma4", "It is 12 degrees.", "It is 12 degrees.", []),
+    ("gemma4", "<|tool_call>call:add{a:1,b:", None, []),  # cut short
 ]
 
 
@@ -113,6 +130,8 @@ def test_text_streams_out_as_it_comes():
 @pytest.mark.parametrize(
     "template, name",
     [("{{ '<tool_call>' }}", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3"),
+     ("{{- '<tool_call>\\n<function=' + name + '>\\n' }}{{- '<parameter=' + key }}", "qwen3-coder"),
+     ("{{- '<|tool_call>call:' + function['name'] + '{' -}}", "gemma4"),
      ("{% for m in messages %}{{ m.content }}{% endfor %}", "generic"), (None, "generic")],
 )
 def test_the_format_follows_the_template(template, name):
@@ -142,4 +161,36 @@ RECORDED_CALL = {
     "hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
     "llama3": '{"name": "add", "parameters": {"a": 1, "b": 2}}',
     "mistral": '[{"name": "add", "arguments": {"a": 1, "b": 2}}]',
+    "qwen3-coder": "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n"
+                   "</function>\n</tool_call>",
+    "gemma4": '<|tool_call>call:add{"a": 1, "b": 2}<tool_call|>',
 }
+
+
+def test_qwen3_coder_reads_each_value_by_its_tools_schema():
+    tool = Tool("find", None, {"type": "object", "properties": {
+        "zip": {"type": "string"}, "n": {"type": ["integer", "string"]}, "tags": {"type": "array"},
+        "on": {"$ref": "#/$defs/Flag"}}, "$defs": {"Flag": {"type": "boolean"}}})
+    output = ("<tool_call>\n<function=find>\n" + "".join(
+        f"<parameter={key}>\n{value}\n</parameter>\n"
+        for key, value in [("zip", "02134"), ("n", "7"), ("tags", '["a", "b"]'), ("on", "true")]
+    ) + "</function>\n</tool_call>")
+    [call] = BUILT_IN_FORMATS["qwen3-coder"]().with_tools([tool]).parse(output).calls
+    assert json.loads(call.arguments) == {"zip": "02134", "n": 7, "tags": ["a", "b"], "on": True}
+    [call] = BUILT_IN_FORMATS["qwen3-coder"]().with_tools([tool]).parse(output.replace("\n7\n", "\nseven\n")).calls
+    assert json.loads(call.arguments)["n"] == "seven"
+    # with no schema, text that reads as JSON other than a string is JSON
+    [call] = BUILT_IN_FORMATS["qwen3-coder"]().parse(output.replace("02134", "12345")).calls
+    assert json.loads(call.arguments) == {"zip": 12345, "n": 7, "tags": ["a", "b"], "on": True}
+
+
+def test_qwen3_coder_streams_a_call_that_lacks_its_tool_call_tag_by_the_tools_names():
+    # Qwen3-Coder sometimes leaves out <tool_call>; as llama.cpp, the bare
+    # tag starts a call only with an offered tool's name
+    fmt = BUILT_IN_FORMATS["qwen3-coder"]().with_tools([ADD])
+    stream = fmt.stream()
+    sent = stream.feed("Sure.\n<function=ad") + stream.feed("d>\n<parameter=a>\n1\n</parameter>\n</function>")
+    assert sent == "Sure.\n"
+    assert calls_of(stream.finish()) == [("add", {"a": 1})]
+    other = fmt.stream()
+    assert other.feed("#include <functional>") == "#include <functional>"

@@ -14,7 +14,7 @@ import pytest
 from lockgate.engine.structured import compile_grammar, compile_json_schema
 from lockgate.errors import InvalidSchema
 from lockgate.plugin_api.pipeline import compile_schema
-from lockgate.plugin_api.tool_calls import Tool
+from lockgate.plugin_api.tool_calls import Tool, ToolCall
 from lockgate.plugins.tool_formats import BUILT_IN_FORMATS
 
 #: two tools whose `$defs` share a name but not a shape (pydantic names both `Address`)
@@ -73,6 +73,10 @@ def written(name: str, calls: list[tuple[str, dict]]) -> str:
         "hermes": lambda: "\n".join(f"<tool_call>\n{o}\n</tool_call>" for o in objects),
         "llama3": lambda: "; ".join(objects),
         "mistral": lambda: "[" + ", ".join(objects) + "]",
+        # values as bare text, anything but a string as JSON
+        "qwen3-coder": lambda: BUILT_IN_FORMATS[name]().render_calls([ToolCall(n, json.dumps(a)) for n, a in calls]),
+        # JSON arguments between Gemma 4's markers, as its grammar has them
+        "gemma4": lambda: "".join(f"<|tool_call>call:{n}{json.dumps(a)}<tool_call|>" for n, a in calls),
     }[name]()
 
 
