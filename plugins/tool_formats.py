@@ -544,7 +544,7 @@ class Qwen3CoderFormat(ToolCallFormat):
         any parameters as text."""
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
         if not isinstance(properties, dict):
-            return f'("<parameter=" PARAMETER_NAME ">\\n" TEXT_VALUE)*'
+            return '("<parameter=" PARAMETER_NAME ">\\n" TEXT_VALUE)*'
         required = set(parameters.get("required") or ())
         parts = []
         for key, schema in properties.items():

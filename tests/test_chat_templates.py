@@ -280,6 +280,7 @@ def test_gemma4s_required_grammar_takes_its_own_marker_tokens():
     tool = Tool(TOOLS[0]["function"]["name"], None, TOOLS[0]["function"]["parameters"])
     grammar = compile_grammar(model(name).tool_call_format.grammar([tool], required=True, max_calls=1), tokenizer)
     matcher = grammar.matcher()
-    for token in tokenizer.encode('<|tool_call>call:get_weather{"city": "Paris"}<tool_call|>', add_special_tokens=False):
+    call = '<|tool_call>call:get_weather{"city": "Paris"}<tool_call|>'
+    for token in tokenizer.encode(call, add_special_tokens=False):
         matcher.accept(token)
     assert matcher.is_accepting

@@ -67,7 +67,8 @@ RECORDED = [
     ("qwen3-coder", "The answer is 5.", "The answer is 5.", []),
     ("qwen3-coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n", None, []),  # cut short
     ("qwen3-coder", "<tool_call>\n", None, []),
-    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>', None, [("get_weather", {"city": "Paris"})]),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+     None, [("get_weather", {"city": "Paris"})]),
     ("gemma4", 'Let me check.<|tool_call>call:add{a:2,b:3.5}<tool_call|><|tool_call>call:get_weather{city:<|"|>Oslo, '
                'Norway<|"|>,unit:<|"|>c<|"|>}<tool_call|>',
      "Let me check.", [("add", {"a": 2, "b": 3.5}), ("get_weather", {"city": "Oslo, Norway", "unit": "c"})]),
@@ -182,6 +183,27 @@ def test_qwen3_coder_reads_each_value_by_its_tools_schema():
     # with no schema, text that reads as JSON other than a string is JSON
     [call] = BUILT_IN_FORMATS["qwen3-coder"]().parse(output.replace("02134", "12345")).calls
     assert json.loads(call.arguments) == {"zip": 12345, "n": 7, "tags": ["a", "b"], "on": True}
+
+
+def test_qwen3_coder_grammar_takes_any_parameters_for_an_object_without_properties(smollm2_tokenizer):
+    free, empty = Tool("free", None, {"type": "object"}), Tool("empty", None, {"type": "object", "properties": {}})
+    grammar = compile_grammar(
+        BUILT_IN_FORMATS["qwen3-coder"]().grammar([free, empty], required=True, max_calls=1), smollm2_tokenizer
+    )
+
+    def accepts(text):
+        matcher = grammar.matcher()
+        try:
+            for token in smollm2_tokenizer.encode(text, add_special_tokens=False):
+                matcher.accept(token)
+        except ValueError:
+            return False
+        return matcher.is_accepting
+
+    parameter = "<parameter=x>\nhi\n</parameter>\n"
+    assert accepts(f"<tool_call>\n<function=free>\n{parameter}</function>\n</tool_call>")
+    assert accepts("<tool_call>\n<function=empty>\n</function>\n</tool_call>")
+    assert not accepts(f"<tool_call>\n<function=empty>\n{parameter}</function>\n</tool_call>")
 
 
 def test_qwen3_coder_streams_a_call_that_lacks_its_tool_call_tag_by_the_tools_names():
