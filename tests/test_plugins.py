@@ -89,7 +89,7 @@ def test_default_plugins_are_registered_like_any_plugin():
     assert names == {module.rsplit(".", 1)[1] for module in DEFAULT_PLUGINS}
     described = {p["name"]: p["hooks"] for p in describe_plugins(pm)}
     assert described["validate"] == ["lockgate_validate_request"]
-    assert described["tvm"] == ["lockgate_register_executors"]
+    assert described["tvm"] == ["lockgate_register_executors", "lockgate_register_model_families"]
 
 
 def names_registered(pm) -> set[str]:

@@ -96,6 +96,10 @@ def word_tokens(tokenizer) -> list[int]:
     return words
 
 
+#: tokens per KV page, as the executor reports it (the TVM executor's length)
+PAGE_SIZE = 16
+
+
 def create_zero_cost_executor(model_file, options) -> ZeroCostExecutor:
     """An executor factory (`lockgate.models.executor.ExecutorFactory`):
     sized by the server's executor options, its words read from the
@@ -107,8 +111,8 @@ def create_zero_cost_executor(model_file, options) -> ZeroCostExecutor:
     return ZeroCostExecutor(
         vocab_size=model_file.config.vocab_size,
         word_tokens=word_tokens(tokenizer),
-        page_size=options.page_size,
-        total_pages=options.max_total_tokens // options.page_size,
+        page_size=PAGE_SIZE,
+        total_pages=options.max_total_tokens // PAGE_SIZE,
         max_num_seqs=options.max_num_seqs,
         prefill_chunk_size=options.prefill_chunk_size,
         max_sequence_length=model_file.config.context_length,

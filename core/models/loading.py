@@ -17,7 +17,7 @@ from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
 from lockgate.models.executor import Executor, ExecutorFactory, ExecutorOptions, ModelFile
 from lockgate.models.config import ModelConfig
 from lockgate.models.families import ModelFamilies, ModelFamily
-from lockgate.plugin_api.tool_calls import choose_tool_call_format
+from lockgate.plugin_api.tool_calls import chat_template_for, choose_tool_call_format
 from lockgate.settings import setting_default
 
 
@@ -211,7 +211,8 @@ def open_model(
         tokenizer = load_tokenizer(metadata, chat_template=chat_template)
         eos_ids = eos_token_ids(metadata, tokenizer)
     try:
-        tool_format = choose_tool_call_format(formats, tool_call_format, tokenizer.chat_template)
+        # calls are written the way the template a request with tools renders with asks
+        tool_format = choose_tool_call_format(formats, tool_call_format, chat_template_for(tokenizer, tools=True))
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     # the grammar engine's copy of the vocabulary, built once so the first

@@ -164,8 +164,8 @@ class DecoderForCausalLM(nn.Module):
     Functions (see `export_spec`): `embed(input_ids)`, `batch_prefill(embeds,
     logit_positions, kv)`, `batch_decode(embeds, kv)`, `decode_one(embeds, kv)`
     and `create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page)`.
-    A family changes a part by overriding `layer_class`, `embed` or
-    `final_logits`.
+    A family changes a part by overriding `layer_class`, `embed`,
+    `final_logits` or `kv_cache_options`.
     """
 
     layer_class = DecoderLayer
@@ -252,6 +252,20 @@ class DecoderForCausalLM(nn.Module):
         }
         return scaling, rx.const(factors)
 
+    def kv_cache_options(self) -> dict:
+        """What this network sets of its `TIRPagedKVCache` beyond the sizes
+        and shapes: the attention kind of each layer and how RoPE is
+        applied. A family overrides it (Gemma 3: sliding-window layers, RoPE
+        in the model)."""
+        rope_scaling, rope_ext_factors = self.rope()
+        return {
+            "attn_kind": "mha",
+            "rope_mode": RopeMode.NORMAL,
+            "rope_scale": self.config.rope_scale,
+            "rope_scaling": rope_scaling,
+            "rope_ext_factors": rope_ext_factors,
+        }
+
     def create_tir_paged_kv_cache(
         self,
         max_batch_size,
@@ -260,11 +274,9 @@ class DecoderForCausalLM(nn.Module):
         page_size,
     ) -> PagedKVCache:
         c = self.config
-        rope_scaling, rope_ext_factors = self.rope()
         build = frequency_factor_rope() if c.rope_freq_factors else contextlib.nullcontext()
         with build:
             return TIRPagedKVCache(
-                attn_kind="mha",
                 max_batch_size=max_batch_size,
                 max_total_seq_len=max_total_seq_len,
                 prefill_chunk_size=prefill_chunk_size,
@@ -278,15 +290,12 @@ class DecoderForCausalLM(nn.Module):
                 v_head_dim=c.head_dim,
                 mla_original_qk_head_dim=0,
                 mla_original_v_head_dim=0,
-                rope_mode=RopeMode.NORMAL,
-                rope_scale=c.rope_scale,
                 rope_theta=c.rope_theta,
-                rope_scaling=rope_scaling,
-                rope_ext_factors=rope_ext_factors,
                 rotary_dim=c.rotary_dim,
                 enable_disaggregation=False,
                 dtype=self.kv_dtype,
                 target=self.target,
+                **self.kv_cache_options(),
             )
 
     def export_spec(self) -> dict:

@@ -58,13 +58,6 @@ The probabilities are float64 on both sides. Sums are taken in a different
 order on a GPU (and `exp` may differ in the last bit between numpy and the
 device's libm), so two paths can disagree only when the uniform lands within
 about 1e-16 of a boundary between two tokens' cumulative masses.
-
-Integration: `Executor.sample(logits, rows)` chooses the tokens from the
-logits `prefill`/`decode` returned (the host sampler by default). With
-device sampling on, the TVM executor returns a `DeviceLogits` (the logits
-tensor left on the device and a host-side row index the engine's row
-selection composes into) and its `sample` runs `DeviceSampler.sample_batch`
-on `DeviceSampler.rows` of it.
 """
 
 from __future__ import annotations

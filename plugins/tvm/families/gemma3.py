@@ -41,7 +41,7 @@ from tvm import relax as rx
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
-from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode
 
 from lockgate.errors import ModelLoadError
 from lockgate.models.config import ModelConfig
@@ -169,32 +169,14 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
             [logits],
         )
 
-    def create_tir_paged_kv_cache(self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size) -> PagedKVCache:
+    def kv_cache_options(self) -> dict:
         c = self.config
-        kinds = ["mha_sliding" if local else "mha" for local in local_layers(c)]
-        return TIRPagedKVCache(
-            attn_kind=kinds,
-            max_batch_size=max_batch_size,
-            max_total_seq_len=max_total_seq_len,
-            prefill_chunk_size=prefill_chunk_size,
-            page_size=page_size,
-            support_sliding_window=0,
-            layer_partition=rx.ShapeExpr([0, c.num_layers]),
-            num_hidden_layers=c.num_layers,
-            num_attention_heads=c.num_heads,
-            num_key_value_heads=c.num_kv_heads,
-            qk_head_dim=c.head_dim,
-            v_head_dim=c.head_dim,
-            mla_original_qk_head_dim=0,
-            mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NONE,
-            rope_scale=1,
-            rope_theta=c.rope_theta,
-            rope_scaling={},
-            rope_ext_factors=rx.prim_value(0),
-            rotary_dim=c.rotary_dim,
-            enable_disaggregation=False,
-            dtype=self.kv_dtype,
-            target=self.target,
-            layer_sliding_window_size=c.sliding_window or 1024,
-        )
+        return {
+            "attn_kind": ["mha_sliding" if local else "mha" for local in local_layers(c)],
+            "layer_sliding_window_size": c.sliding_window or 1024,
+            # each layer's RoPE is applied in the model
+            "rope_mode": RopeMode.NONE,
+            "rope_scale": 1,
+            "rope_scaling": {},
+            "rope_ext_factors": rx.prim_value(0),
+        }
