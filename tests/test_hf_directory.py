@@ -3,6 +3,7 @@ served like the GGUF file of the same weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -132,3 +133,26 @@ def test_llama3_rope_factors_follow_the_smoothed_frequencies():
     scaled = (1 - smooth) * freq / 8.0 + smooth * freq
     np.testing.assert_allclose(factors, freq / scaled, rtol=1e-6)
     assert factors[0] == 1.0 and factors[-1] == 8.0
+
+
+def test_a_gemma3_directory_gives_the_logits_of_the_same_gguf(tmp_path, compile_cache):
+    """Gemma's own names (pre/post feed-forward norms), its norms stored
+    without the +1, its `layer_types`, local RoPE base and soft-cap."""
+    gguf_path = write_tiny_gguf(
+        tmp_path / "g.gguf", tensor_type="F16", architecture="gemma3", qk_norm=True, head_dim=32, num_layers=4,
+        sliding_window=16, sliding_window_pattern=2, rope_local_theta=10000.0, rope_theta=1000000.0,
+        final_logit_softcap=30.0,
+    )
+    directory = write_hf_directory(gguf_path, tmp_path / "hf", "F16")
+    from lockgate.plugins.tvm.families.gemma3 import local_layers
+
+    pm = get_plugin_manager(autoload=False)
+    ours, theirs = open_model(pm, str(directory)).config, open_model(pm, str(gguf_path)).config
+    # the directory lists each layer's kind, the file says "every second"
+    assert local_layers(ours) == local_layers(theirs) == [True, False, True, False]
+    assert dataclasses.replace(ours, sliding_window_pattern=None) == dataclasses.replace(
+        theirs, sliding_window_pattern=None
+    )
+    from_gguf, _ = _logits(str(gguf_path), compile_cache)
+    from_directory, _ = _logits(str(directory), compile_cache)
+    np.testing.assert_array_equal(from_directory, from_gguf)

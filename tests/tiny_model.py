@@ -291,7 +291,10 @@ def write_tiny_gguf(
 
 
 #: Hugging Face `architectures` of each GGUF architecture the writer knows
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 
 def _to_bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -373,12 +376,22 @@ def write_hf_directory(gguf_path, directory, dtype: str = "F16") -> pathlib.Path
         "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
         "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
     }
+    if arch == "gemma3":
+        hf_names.update({
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+            "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        })
+
+    def stored(name, values):
+        # Gemma's directories keep w where llama.cpp's files keep 1 + w
+        return values - np.float32(1) if arch == "gemma3" and name.endswith("norm.weight") else values
     tensors = {}
     for name in names:
         if name == "token_embd.weight":
             tensors["model.embed_tokens.weight"] = read(name)
         elif name == "output_norm.weight":
-            tensors["model.norm.weight"] = read(name)
+            tensors["model.norm.weight"] = stored(name, read(name))
         elif name == "output.weight":
             tensors["lm_head.weight"] = read(name)
         elif name.startswith("blk."):
@@ -388,7 +401,7 @@ def write_hf_directory(gguf_path, directory, dtype: str = "F16") -> pathlib.Path
                 values = unpermute(values, heads)
             elif rest.startswith("attn_k."):
                 values = unpermute(values, kv_heads)
-            tensors[f"model.layers.{layer}.{hf_names[rest]}"] = values
+            tensors[f"model.layers.{layer}.{hf_names[rest]}"] = stored(rest, values)
     write_safetensors(directory / "model.safetensors", tensors, dtype)
     config = {
         "architectures": [HF_ARCHITECTURES[arch]],
@@ -408,6 +421,15 @@ def write_hf_directory(gguf_path, directory, dtype: str = "F16") -> pathlib.Path
     }
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch == "gemma3":
+        config["sliding_window"] = int(meta("attention.sliding_window", 0))
+        pattern = meta("attention.sliding_window_pattern", 6)
+        config["layer_types"] = [
+            "full_attention" if (i % pattern == pattern - 1) else "sliding_attention"
+            for i in range(config["num_hidden_layers"])
+        ]
+        config["rope_local_base_freq"] = float(meta("rope.freq_base_swa", 10000.0))
+        config["final_logit_softcapping"] = meta("final_logit_softcapping")
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     eos = int(reader.fields["tokenizer.ggml.eos_token_id"].contents())
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))

@@ -35,6 +35,12 @@ class ModelFamily:
         halves, as Hugging Face models do, undoes it.
     :ivar hf_config: `config.json` values this family's directories have
         without writing them (Qwen2's `attention_bias`, Qwen3's `qk_norm`).
+    :ivar hf_tensor_names: Hugging Face names of a layer's tensors where
+        this family's differ from Llama's, keyed by llama.cpp's
+        (`"ffn_norm.weight": "pre_feedforward_layernorm.weight"`).
+    :ivar hf_norm_shift: added to every norm weight read from a directory
+        (Gemma keeps `w` and multiplies by `1 + w`; llama.cpp's converter
+        stores `1 + w`, which is what the networks multiply by).
     """
 
     name: str
@@ -43,6 +49,8 @@ class ModelFamily:
     hf_architectures: tuple[str, ...] = ()
     permuted_qk: bool = False
     hf_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    hf_tensor_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    hf_norm_shift: float = 0.0
 
     def network(self, executor: str) -> Any:
         """What `executor` builds for this family.

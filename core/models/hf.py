@@ -18,7 +18,7 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import gguf
@@ -98,6 +98,12 @@ def read_hf_config(directory: pathlib.Path, families: ModelFamilies) -> tuple[Mo
     head_dim = int(get("head_dim", hidden // heads))
     theta = float(get("rope_theta", 10000.0))
     rotary_dim = int(head_dim * float(get("partial_rotary_factor", 1.0)))
+    window = int(raw.get("sliding_window") or 0)
+    pattern = None
+    if window and isinstance(raw.get("layer_types"), list):
+        pattern = tuple(kind == "sliding_attention" for kind in raw["layer_types"])
+    elif window and raw.get("sliding_window_pattern"):
+        pattern = int(raw["sliding_window_pattern"])
     scaling = raw.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     factors, scale = None, 1.0
@@ -128,6 +134,10 @@ def read_hf_config(directory: pathlib.Path, families: ModelFamilies) -> tuple[Mo
         qk_norm=bool(get("qk_norm", False)),
         rope_scale=scale,
         rope_freq_factors=factors,
+        sliding_window=window if family.name == "gemma3" else 0,
+        sliding_window_pattern=pattern,
+        rope_local_theta=raw.get("rope_local_base_freq"),
+        final_logit_softcap=float(raw.get("final_logit_softcapping") or 0.0),
     )
     return config, family
 
@@ -178,8 +188,9 @@ class _Safetensors:
         return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
 
 
-def _hf_name(name: str) -> str:
-    """The Hugging Face name of a llama.cpp tensor name."""
+def _hf_name(name: str, overrides: Mapping[str, str] | None = None) -> str:
+    """The Hugging Face name of a llama.cpp tensor name (a family's own
+    names of a layer's tensors in `overrides`)."""
     fixed = {
         "token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
@@ -204,6 +215,8 @@ def _hf_name(name: str) -> str:
         "ffn_up.weight": "mlp.up_proj.weight",
         "ffn_down.weight": "mlp.down_proj.weight",
     }
+    if overrides and rest in overrides:
+        return f"model.layers.{layer}.{overrides[rest]}"
     return f"model.layers.{layer}.{parts.get(rest, rest)}"
 
 
@@ -217,18 +230,20 @@ class HFTensors:
     float16 (what the executor runs in), never widened to f32 silently.
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, family: ModelFamily | None = None) -> None:
         directory = pathlib.Path(directory)
+        self._names = dict(family.hf_tensor_names) if family is not None else {}
+        self._norm_shift = family.hf_norm_shift if family is not None else 0.0
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{directory} holds no *.safetensors weights")
         self._files = _Safetensors(files)
 
     def __contains__(self, name: str) -> bool:
-        return _hf_name(name) in self._files
+        return _hf_name(name, self._names) in self._files
 
     def tensor_type(self, name: str) -> gguf.GGMLQuantizationType | None:
-        hf = _hf_name(name)
+        hf = _hf_name(name, self._names)
         if hf not in self._files:
             return None
         if self._files.dtype(hf) == "F32":
@@ -245,7 +260,7 @@ class HFTensors:
         raise ModelLoadError(f"tensor {name!r} of a safetensors directory is not block-quantized")
 
     def _read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        hf = _hf_name(name)
+        hf = _hf_name(name, self._names)
         if hf not in self._files:
             raise ModelLoadError(f"the model directory lacks tensor {hf!r}")
         if self._files.shape(hf) != shape:
@@ -253,6 +268,8 @@ class HFTensors:
         values = self._files.float32(hf)
         if self._files.dtype(hf) == "BF16":
             values = values.astype(np.float16).astype(np.float32)
+        if self._norm_shift and name.endswith("norm.weight"):
+            values = values + np.float32(self._norm_shift)
         return values
 
 

@@ -35,12 +35,19 @@ BUILTIN_FAMILIES = (
         hf_architectures=("Qwen3ForCausalLM",),
         hf_config={"qk_norm": True},
     ),
-    # no Hugging Face architectures: its directories store norms without
-    # Gemma's +1, which llama.cpp's converter adds
     ModelFamily(
         "gemma3",
         ("gemma3",),
         networks={"tvm": f"{_NETWORKS}.gemma3:Gemma3ForCausalLM"},
+        # text-only directories (270M, 1B); the multimodal ones nest theirs
+        hf_architectures=("Gemma3ForCausalLM",),
+        hf_config={"qk_norm": True, "tie_word_embeddings": True},
+        hf_tensor_names={
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+            "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        },
+        hf_norm_shift=1.0,
     ),
 )
 

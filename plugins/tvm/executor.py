@@ -64,7 +64,7 @@ def _open_tensors(model_file: ModelFile):
     if os.path.isdir(model_file.path):
         from lockgate.models.hf import HFTensors
 
-        return HFTensors(model_file.path)
+        return HFTensors(model_file.path, model_file.family)
     try:
         # the header as the loader already read it, else read here: once either way
         source = model_file.metadata if model_file.metadata is not None else model_file.path
