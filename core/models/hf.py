@@ -250,8 +250,8 @@ class HFTensors:
             return gguf.GGMLQuantizationType.F32
         return gguf.GGMLQuantizationType.F16
 
-    def matrix(self, name: str, rows: int, cols: int) -> np.ndarray:
-        return self._read(name, (rows, cols))
+    def matrix(self, name: str, rows: int, cols: int, dtype=np.float32) -> np.ndarray:
+        return self._read(name, (rows, cols)).astype(dtype, copy=False)
 
     def vector(self, name: str, size: int) -> np.ndarray:
         return self._read(name, (size,))

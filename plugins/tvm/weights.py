@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator
 
@@ -182,9 +183,11 @@ class GGUFTensors:
         tensor = self._tensors.get(name)
         return None if tensor is None else gguf.GGMLQuantizationType(tensor.tensor_type)
 
-    def matrix(self, name: str, rows: int, cols: int) -> np.ndarray:
-        """The tensor as a float32 (rows, cols) = (out, in) array."""
-        return self._read(name, (rows, cols))
+    def matrix(self, name: str, rows: int, cols: int, dtype=np.float32) -> np.ndarray:
+        """The tensor as a (rows, cols) = (out, in) array of `dtype`
+        (float32, or float16 for a weight stored as f16: an F16 tensor is
+        then the file's own bytes, never widened on the way)."""
+        return self._read(name, (rows, cols), dtype)
 
     def vector(self, name: str, size: int) -> np.ndarray:
         return self._read(name, (size,))
@@ -210,9 +213,21 @@ class GGUFTensors:
             )
         return tensor
 
-    def _read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def release_pages(self) -> None:
+        """Drop the file's pages read so far from this process's resident
+        memory (they stay in the page cache): reading a whole model through
+        the map would otherwise hold the file's size in RSS until the end."""
+        for tensor in self._tensors.values():
+            mapping = getattr(tensor.data, "_mmap", None)
+            if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+                mapping.madvise(mmap.MADV_DONTNEED)
+            return
+
+    def _read(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         tensor = self._checked(name, shape)
         qtype = tensor.tensor_type
+        if dtype == np.float16 and qtype == gguf.GGMLQuantizationType.F16:
+            return np.asarray(tensor.data).reshape(shape)
         try:
             if qtype in _PLAIN_TYPES:
                 values = np.asarray(tensor.data, dtype=np.float32)
@@ -224,7 +239,7 @@ class GGUFTensors:
             raise ModelLoadError(
                 f"tensor {name!r} has GGML type {qtype.name}, which cannot be dequantized"
             ) from exc
-        return np.asarray(values, dtype=np.float32).reshape(shape)
+        return np.asarray(values, dtype=np.float32).reshape(shape).astype(dtype, copy=False)
 
 
 _TYPE_OF_FORMAT = {fmt: qtype for qtype, fmt in _FORMAT_OF_TYPE.items()}
@@ -260,8 +275,8 @@ class QuantizedAtLoad:
             return _TYPE_OF_FORMAT[self._fmt]
         return qtype
 
-    def matrix(self, name: str, rows: int, cols: int) -> np.ndarray:
-        return self._tensors.matrix(name, rows, cols)
+    def matrix(self, name: str, rows: int, cols: int, dtype=np.float32) -> np.ndarray:
+        return self._tensors.matrix(name, rows, cols, dtype)
 
     def vector(self, name: str, size: int) -> np.ndarray:
         return self._tensors.vector(name, size)
@@ -364,14 +379,14 @@ def _linear_arrays(
             name: array if name.endswith(".codes") else array.astype(np.float16)
             for name, array in out.items()
         }
+    # read in the stored dtype: an f16 weight of an F16 file is never widened
+    dtype = np.float16 if gpu or fmt == "f16" else np.float32
     matrices = []
     for name, rows, heads in parts:
-        w = t.matrix(name, rows, cols)
+        w = t.matrix(name, rows, cols, dtype)
         matrices.append(undo_rope_permutation(w, heads) if heads else w)
-    if gpu:
-        return {f"{module}.weight": np.concatenate(matrices, axis=0).astype(np.float16)}
-    dtype = np.float16 if fmt == "f16" else np.float32
-    return {f"{module}.weight": np.concatenate(matrices, axis=0).T.astype(dtype, copy=False)}
+    weight = matrices[0] if len(matrices) == 1 else np.concatenate(matrices, axis=0)
+    return {f"{module}.weight": weight if gpu else weight.T}
 
 
 def iter_gguf_weights(
@@ -402,11 +417,13 @@ def iter_gguf_weights(
     """
     c = config
     sources = _linear_sources(c, "output.weight" in tensors, permuted_qk)
+    release = getattr(tensors, "release_pages", None)
     formats = formats or {}
     by_name: dict[str, np.ndarray] = {}
     if not c.tie_word_embeddings:
-        embed = tensors.matrix("token_embd.weight", c.vocab_size, c.hidden_size)
-        by_name["embed_tokens"] = embed.astype(np.float16) if gpu else embed
+        by_name["embed_tokens"] = tensors.matrix(
+            "token_embd.weight", c.vocab_size, c.hidden_size, np.float16 if gpu else np.float32
+        )
     by_name["norm.weight"] = tensors.vector("output_norm.weight", c.hidden_size)
     loaded: set[str] = set()
     for name, shape in param_names:
@@ -434,6 +451,9 @@ def iter_gguf_weights(
                 f"parameter {name!r} has shape {list(array.shape)}, the model expects {list(shape)}"
             )
         yield np.ascontiguousarray(array)
+        del array
+        if release is not None:
+            release()
 
 
 def _layer_vector(tensors: GGUFTensors, c: ModelConfig, name: str, permuted_qk: bool) -> np.ndarray | None:
