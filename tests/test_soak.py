@@ -14,8 +14,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def soak(*args: str) -> str:
+    # a sample a second: the growth check compares medians of the second
+    # half's first and last fifth, which at the default of one sample in 5 s
+    # are single samples (one failed at +12 % between a dip and a peak)
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--model", "tests-tiny", "--seconds", "60", *args],
+        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--model", "tests-tiny", "--seconds", "60",
+         "--sample-every", "1", *args],
         capture_output=True, text=True, timeout=600,
     )
     print(result.stdout[-4000:])
