@@ -334,7 +334,8 @@ def test_second_start_reuses_compiled_library(tiny_files, tmp_path):
 
 
 def test_weight_errors_are_model_load_errors(tiny_files):
-    from lockgate.plugins.tvm.weights import GGUFTensors, iter_gguf_weights
+    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
+    from lockgate.plugins.tvm.weights import iter_gguf_weights
 
     path = tiny_files["F32"]
     metadata = GGUFMetadata(path)
@@ -381,7 +382,7 @@ def test_a_load_parses_the_gguf_header_once(tiny_gguf, compile_cache, monkeypatc
 
 @pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
 def test_tensor_index_and_dequantize_match_gguf(kind, tiny_files):
-    from lockgate.plugins.tvm.weights import GGUFTensors, read_tensor_index
+    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors, read_tensor_index
 
     path = tiny_files[kind]
     reader = gguf.GGUFReader(path)
@@ -399,7 +400,7 @@ def test_tensor_index_and_dequantize_match_gguf(kind, tiny_files):
 
 
 def test_not_a_gguf_file_is_a_model_load_error(tmp_path):
-    from lockgate.plugins.tvm.weights import read_tensor_index
+    from lockgate.plugins.tvm.gguf_tensors import read_tensor_index
 
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"not a model at all")
@@ -427,7 +428,8 @@ def _unpack(fmt: str, parts: dict[str, np.ndarray]) -> np.ndarray:
 def test_repacked_codes_are_bit_exact(kind, tiny_files):
     """Codes and scales taken from the GGUF blocks stand for exactly the
     values gguf's own dequantization gives."""
-    from lockgate.plugins.tvm.weights import GGUFTensors, linear_formats
+    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
+    from lockgate.plugins.tvm.weights import linear_formats
 
     path = tiny_files[kind]
     reader = gguf.GGUFReader(path)
@@ -449,7 +451,8 @@ def test_repacked_codes_are_bit_exact(kind, tiny_files):
 
 
 def test_unsupported_or_mixed_types_fall_back_to_f16(tmp_path):
-    from lockgate.plugins.tvm.weights import GGUFTensors, linear_formats
+    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
+    from lockgate.plugins.tvm.weights import linear_formats
 
     path = write_tiny_gguf(tmp_path / "q5.gguf", tensor_type="Q5_0")
     formats = linear_formats(GGUFTensors(path), ModelConfig.from_gguf(gguf.GGUFReader(path)))
@@ -497,7 +500,8 @@ def test_gpu_layout_matmul_matches_numpy_on_cpu(kind, tiny_files):
     from tvm import te
 
     from lockgate.plugins.tvm.layers import _gpu_matmul
-    from lockgate.plugins.tvm.weights import GGUFTensors, _linear_arrays, linear_formats
+    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
+    from lockgate.plugins.tvm.weights import _linear_arrays, linear_formats
 
     path = tiny_files[kind]
     reader = gguf.GGUFReader(path)
@@ -532,7 +536,7 @@ def test_f16_weights_are_read_without_widening(tiny_files):
     """An F16 matrix asked for as float16 is the file's own bytes (no
     float32 copy on the way: loading a 1B F16 shape peaked at 7.1 GB
     before, 3.7 GB after), and dropping the map's pages keeps it readable."""
-    from lockgate.plugins.tvm.weights import GGUFTensors
+    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
 
     tensors = GGUFTensors(tiny_files["F16"])
     view = tensors.matrix("blk.0.ffn_down.weight", 64, 128, np.float16)

@@ -59,7 +59,7 @@ def _release_loading_memory() -> None:
 def _open_tensors(model_file: ModelFile):
     """The model's tensors under llama.cpp's names: a GGUF file's, or a
     Hugging Face directory's safetensors."""
-    from lockgate.plugins.tvm.weights import GGUFTensors
+    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
 
     if os.path.isdir(model_file.path):
         from lockgate.models.hf import HFTensors
