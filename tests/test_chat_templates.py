@@ -131,6 +131,19 @@ def serve(name: str, body: dict) -> tuple[str, list[int]]:
 
 CONVERSATION = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]}
 
+#: a conversation with an earlier call and its result
+HISTORY = {
+    "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": CALL_ID, "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }]},
+        {"role": "tool", "tool_call_id": CALL_ID, "content": "18 C and sunny"},
+    ],
+    "tools": TOOLS,
+}
+
 
 @pytest.mark.parametrize("name", cases("conversation"))
 def test_renders_a_conversation(name):
@@ -166,18 +179,7 @@ def test_renders_the_offered_tools(name):
 
 @pytest.mark.parametrize("name", cases("history"))
 def test_renders_an_earlier_call_and_its_result(name):
-    body = {
-        "messages": [
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": None, "tool_calls": [{
-                "id": CALL_ID, "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }]},
-            {"role": "tool", "tool_call_id": CALL_ID, "content": "18 C and sunny"},
-        ],
-        "tools": TOOLS,
-    }
-    prompt, _ = serve(name, body)
+    prompt, _ = serve(name, HISTORY)
     assert "Paris" in prompt and "18 C and sunny" in prompt
 
 
@@ -225,34 +227,10 @@ def test_a_template_that_breaks_on_a_request_refuses_it_as_a_400():
 
 
 def test_mistral_gets_a_call_and_its_result_under_one_id_of_its_shape():
-    body = {
-        "messages": [
-            {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": None, "tool_calls": [{
-                "id": CALL_ID, "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-            }]},
-            {"role": "tool", "tool_call_id": CALL_ID, "content": "18 C and sunny"},
-        ],
-        "tools": TOOLS,
-    }
-    prompt, _ = serve("mistralai-Mistral-Nemo-Instruct-2407", body)
+    prompt, _ = serve("mistralai-Mistral-Nemo-Instruct-2407", HISTORY)
     [called] = re.findall(r'"id": "(\w+)"', prompt)
     [answered] = re.findall(r'"call_id": "(\w+)"', prompt)
     assert called == answered and re.fullmatch("[A-Za-z0-9]{9}", called)
-
-
-HISTORY = {
-    "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": CALL_ID, "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-        }]},
-        {"role": "tool", "tool_call_id": CALL_ID, "content": "18 C and sunny"},
-    ],
-    "tools": TOOLS,
-}
 
 
 @pytest.mark.parametrize("name", [n for n, (_, fmt) in TEMPLATES.items() if fmt in ("hermes", "qwen3-coder", "gemma4")])
