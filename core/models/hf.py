@@ -296,7 +296,7 @@ def hf_eos_token_ids(directory: pathlib.Path, tokenizer) -> list[int]:
     """Where generation stops: `generation_config.json`'s `eos_token_id`
     (a number or a list), the tokenizer's EOS, and the end-of-turn texts
     llama.cpp also stops at when the vocabulary has them."""
-    from lockgate.models.tokenizer import _END_OF_GENERATION_TEXTS
+    from lockgate.models.tokenizer import END_OF_GENERATION_TEXTS
 
     ids: list[int] = []
 
@@ -310,6 +310,6 @@ def hf_eos_token_ids(directory: pathlib.Path, tokenizer) -> list[int]:
         add(token_id)
     add(tokenizer.eos_token_id)
     special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    for text in sorted(_END_OF_GENERATION_TEXTS):
+    for text in sorted(END_OF_GENERATION_TEXTS):
         add(special.get(text))
     return ids

@@ -181,7 +181,7 @@ _TYPE_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
 # --- Tokens llama.cpp recognises by their text (llama_vocab::impl::load) -----------------------
 
 # Texts that end generation wherever they are in the vocabulary.
-_END_OF_GENERATION_TEXTS = frozenset(
+END_OF_GENERATION_TEXTS = frozenset(
     {
         "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
         "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]",
@@ -205,7 +205,7 @@ _ENDING_FIM = (
     ("tokenizer.ggml.fim_rep_token_id", _FIM_REPO_TEXTS),
     ("tokenizer.ggml.fim_sep_token_id", _FIM_SEPARATOR_TEXTS),
 )
-_CONTROL_LOOKING_TEXTS = _END_OF_GENERATION_TEXTS.union(
+_CONTROL_LOOKING_TEXTS = END_OF_GENERATION_TEXTS.union(
     _FIM_PREFIX_TEXTS, _FIM_SUFFIX_TEXTS, _FIM_MIDDLE_TEXTS, _FIM_PAD_TEXTS, _FIM_REPO_TEXTS,
     _FIM_SEPARATOR_TEXTS,
 )
@@ -242,7 +242,7 @@ def _end_of_generation(reader, token_ids: Mapping[str, int], n_vocab: int) -> li
             found.add(token_id)
         else:
             found.update(token_ids[t] for t in texts if t in token_ids)
-    found.update(token_ids[t] for t in _END_OF_GENERATION_TEXTS if t in token_ids)
+    found.update(token_ids[t] for t in END_OF_GENERATION_TEXTS if t in token_ids)
     eos = _token_id(reader, "tokenizer.ggml.eos_token_id", n_vocab)
     for token_id in (
         eos,

@@ -197,11 +197,11 @@ class GGUFTensors:
         """Drop the file's pages read so far from this process's resident
         memory (they stay in the page cache): reading a whole model through
         the map would otherwise hold the file's size in RSS until the end."""
-        for tensor in self._tensors.values():
-            mapping = getattr(tensor.data, "_mmap", None)
-            if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
-                mapping.madvise(mmap.MADV_DONTNEED)
-            return
+        # every tensor is a view of the one map of the file
+        first = next(iter(self._tensors.values()), None)
+        mapping = getattr(first.data, "_mmap", None) if first is not None else None
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def _read(self, name: str, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         tensor = self._checked(name, shape)
