@@ -16,6 +16,14 @@ produce, so a faster server that loses or garbles tokens does not count.
 
     python benchmarks/engine_overhead.py                    # c = 1, 16, 64, 256
     python benchmarks/engine_overhead.py --concurrency 64 --repeat 5
+    python benchmarks/engine_overhead.py --concurrency 64 --vocab 49152 --temperature 0.7
+
+`--vocab` pads the tiny model's vocabulary (the default model's is 49,152
+tokens), which is what sampling and the detokenizer's tables scale with;
+`--temperature` sends it with every request, so the host sampler draws
+each token (the executor's logits give every token a runner-up). A
+sampled answer is not known in advance: at a temperature only its length
+is checked.
 
 The client runs on the same cores as the server: on a small machine the
 tok/s are the two together; the CPU columns tell them apart.
@@ -166,8 +174,9 @@ def expected_texts(model_path: str, prompts: list[str], max_tokens: int) -> dict
 
 
 async def run_level(
-    server: load.Server, pid: int, concurrency: int, prompts: list[str], expected: str, args
+    server: load.Server, pid: int, concurrency: int, prompts: list[str], expected: str | None, args
 ) -> Level:
+    """One level; `expected` is every answer's text (None: check lengths only)."""
     server_cpu, client_cpu = process_cpu_seconds(pid), time.process_time()
     result = await load.run_level(server, concurrency, prompts, args)
     server_cpu, client_cpu = process_cpu_seconds(pid) - server_cpu, time.process_time() - client_cpu
@@ -180,7 +189,7 @@ async def run_level(
         wall=result.wall,
         server_cpu=server_cpu,
         client_cpu=client_cpu,
-        wrong=sum(1 for r in ok if r.text != expected or r.tokens != args.max_tokens),
+        wrong=sum(1 for r in ok if (expected is not None and r.text != expected) or r.tokens != args.max_tokens),
         failed=len(prompts) - len(ok),
         ttft_p50=statistics.median(ttfts) if ttfts else None,
     )
@@ -205,7 +214,7 @@ async def benchmark(args: argparse.Namespace) -> tuple[int, list[Level]]:
     from tiny_model import write_tiny_gguf
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="lockgate-overhead-"))
-    model_path = str(write_tiny_gguf(workdir / "tiny.gguf", context_length=CONTEXT_LENGTH))
+    model_path = str(write_tiny_gguf(workdir / "tiny.gguf", context_length=CONTEXT_LENGTH, vocab_size=args.vocab))
     port = load.free_port()
     command = [sys.executable, __file__, "--serve", "--model-path", model_path, "--port", str(port),
                "--max-num-seqs", str(max(args.levels))]
@@ -222,10 +231,12 @@ async def benchmark(args: argparse.Namespace) -> tuple[int, list[Level]]:
         # every prompt of the run ends the same way, so every answer is the same text
         if len(set(expected.values())) != 1:
             raise SystemExit("error: the prompts' expected answers differ; the check assumes one")
-        answer = next(iter(expected.values()))
+        answer = next(iter(expected.values())) if not args.temperature else None
+        sampling = f"temperature {args.temperature}" if args.temperature else "greedy"
+        vocab = f"vocabulary padded to {args.vocab}" if args.vocab else "its own vocabulary"
         print(f"server pid {launched.process.pid} (log {launched.log.name}); client: load.py's raw aiohttp "
-              f"SSE reader, no openai SDK; chat, greedy, ~{args.prompt_words}-word prompts, "
-              f"max_tokens {args.max_tokens} (ignore_eos), zero-cost executor, tiny model", flush=True)
+              f"SSE reader, no openai SDK; chat, {sampling}, ~{args.prompt_words}-word prompts, "
+              f"max_tokens {args.max_tokens} (ignore_eos), zero-cost executor, tiny model, {vocab}", flush=True)
         await load.run_level(server, 1, prompts[: args.warmup], args)
         client_profile = None
         if args.profile:
@@ -270,6 +281,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="run the levels this many times; medians (default 1)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests first (default 4)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="pad the tiny model's vocabulary to this many tokens (the default model has 49152)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request (default 0: greedy); above 0 only "
+                             "answer lengths are checked")
     parser.add_argument("--launch-timeout", type=float, default=120.0)
     parser.add_argument("--profile", metavar="DIR",
                         help="cProfile the server's event-loop and engine threads and this client into DIR "
@@ -282,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.levels = load.parse_levels(args.concurrency or ["1,16,64,256"])
     # what load.run_level and load.request_body read
-    args.endpoint, args.ignore_eos, args.temperature, args.model = "chat", True, 0.0, SERVED_NAME
+    args.endpoint, args.ignore_eos, args.model = "chat", True, SERVED_NAME
     args.timeout, args.level_seconds, args.api_key = 300.0, 600.0, None
     return args
 

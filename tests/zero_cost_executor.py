@@ -4,9 +4,10 @@ measuring what the engine and the HTTP layer add per step and per token
 
 It keeps the paged KV cache's books of `FakeExecutor` (the scheduler reads
 `free_pages` and forks share pages), but its logits depend on the last token
-alone and come from a precomputed table: row `t` favours `successor(t)`. A
-forward pass is one dict lookup per sequence and one gather of rows, so
-what a benchmark measures is the server's own host work.
+alone: row `t` favours `successor(t)`, from a precomputed table. A forward
+pass is one dict lookup per sequence and a zeroed `[rows, vocab]` array
+with two entries a row, so what a benchmark measures is the server's own
+host work.
 
 The successor of every token is a "word" token (its text is printable, it
 is not special), and the words follow each other in a fixed cycle, so a
@@ -43,11 +44,19 @@ class ZeroCostExecutor(FakeExecutor):
         for position, token in enumerate(words):
             successor[token] = words[(position + 1) % len(words)]
         self.successor = successor
-        rows = np.zeros((vocab_size, vocab_size), dtype=np.float32)
-        rows[np.arange(vocab_size), successor] = 10.0
-        # a runner-up, so sampling at a temperature has a choice to make
-        rows[np.arange(vocab_size), successor[successor]] = 9.0
-        self._rows = rows
+
+    def _logits(self, last_tokens: np.ndarray) -> np.ndarray:
+        """A row per token: 10 at its successor and, a runner-up so that
+        sampling at a temperature has a choice to make, 9 at the
+        successor's successor. Built per call rather than gathered from a
+        `[vocab, vocab]` table, which would not fit at a real model's
+        vocabulary."""
+        first = self.successor[last_tokens]
+        logits = np.zeros((last_tokens.size, self.vocab_size), dtype=np.float32)
+        rows = np.arange(last_tokens.size)
+        logits[rows, first] = 10.0
+        logits[rows, self.successor[first]] = 9.0
+        return logits
 
     def _append_cheaply(self, seq_id: int, token_ids: Sequence[int]) -> None:
         tokens = self.tokens[seq_id]
@@ -64,14 +73,14 @@ class ZeroCostExecutor(FakeExecutor):
             raise ValueError("a prefill call carries 1 .. prefill_chunk_size tokens per chunk")
         for seq_id, tokens in zip(seq_ids, token_ids):
             self._append_cheaply(seq_id, tokens)
-        return self._rows[[int(t[-1]) for t in token_ids]]
+        return self._logits(np.array([int(t[-1]) for t in token_ids], dtype=np.int64))
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         if len(seq_ids) > self.max_num_seqs:
             raise ValueError("more rows than max_num_seqs")
         for seq_id, token in zip(seq_ids, token_ids):
             self._append_cheaply(seq_id, (token,))
-        return self._rows[np.asarray(token_ids, dtype=np.int64)]
+        return self._logits(np.asarray(token_ids, dtype=np.int64))
 
     def expected_tokens(self, last_prompt_token: int, count: int) -> list[int]:
         """The greedy output of `count` tokens after a prompt ending in `last_prompt_token`."""
