@@ -408,26 +408,11 @@ def test_not_a_gguf_file_is_a_model_load_error(tmp_path):
         read_tensor_index(bogus)
 
 
-def _unpack(fmt: str, parts: dict[str, np.ndarray]) -> np.ndarray:
-    """Values of `GGUFTensors.quantized` output, the way the matmul computes them."""
-    codes = parts["codes"]
-    if fmt == "q8_0":
-        q = codes.astype(np.float32)
-    else:
-        shifts = np.arange(0, 32, 4, dtype=np.uint32)
-        q = ((codes[..., None] >> shifts) & 15).reshape(codes.shape[0], -1).astype(np.float32)
-    scales = np.repeat(parts["scales"], 32, axis=1)
-    if fmt == "q4_0":
-        return scales * (q - 8)
-    if fmt == "q4_1":
-        return scales * q + np.repeat(parts["mins"], 32, axis=1)
-    return scales * q
-
-
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
 def test_repacked_codes_are_bit_exact(kind, tiny_files):
     """Codes and scales taken from the GGUF blocks stand for exactly the
     values gguf's own dequantization gives."""
+    from lockgate.plugins.tvm.formats import unpack_values
     from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
     from lockgate.plugins.tvm.weights import linear_formats
 
@@ -445,18 +430,33 @@ def test_repacked_codes_are_bit_exact(kind, tiny_files):
         parts = tensors.quantized(t.name, rows, cols, fmt)
         assert parts["scales"].shape == (rows, cols // 32)
         expected = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        np.testing.assert_array_equal(_unpack(fmt, parts), expected.reshape(rows, cols))
+        np.testing.assert_array_equal(unpack_values(parts, fmt), expected.reshape(rows, cols))
         checked += 1
     assert checked >= 7
 
 
-def test_unsupported_or_mixed_types_fall_back_to_f16(tmp_path):
+def test_each_tensor_keeps_its_format(tmp_path):
+    """A type no kernel reads (BF16) is widened to f16; a fused module whose
+    tensors differ in type gets one format per tensor, so each stays packed;
+    a separate embedding table keeps its own type."""
     from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
     from lockgate.plugins.tvm.weights import linear_formats
 
-    path = write_tiny_gguf(tmp_path / "q5.gguf", tensor_type="Q5_0")
+    path = write_tiny_gguf(tmp_path / "bf16.gguf", tensor_type="BF16")
     formats = linear_formats(GGUFTensors(path), ModelConfig.from_gguf(gguf.GGUFReader(path)))
     assert set(formats.values()) == {"f16"}
+
+    mixed = write_tiny_gguf(
+        tmp_path / "mixed.gguf",
+        tensor_type="Q5_0",
+        tensor_types={"attn_v.weight": "Q8_0", "blk.1.ffn_up.weight": "Q4_1", "token_embd.weight": "Q5_1"},
+        tie_word_embeddings=False,
+    )
+    formats = linear_formats(GGUFTensors(mixed), ModelConfig.from_gguf(gguf.GGUFReader(mixed)))
+    assert formats["layers.0.self_attn.qkv_proj"] == "q5_0,q5_0,q8_0"
+    assert formats["layers.0.mlp.gate_up_proj"] == "q5_0"
+    assert formats["layers.1.mlp.gate_up_proj"] == "q5_0,q4_1"
+    assert formats["embed_tokens"] == "q5_1" and formats["lm_head"] == "q5_0"
 
 
 def test_padded_decode_equals_unpadded(tiny_files, compile_cache):

@@ -17,6 +17,8 @@ import pathlib
 import gguf
 import numpy as np
 
+import kquants
+
 TINY_CONFIG = {
     "num_layers": 2,
     "hidden_size": 64,
@@ -29,6 +31,25 @@ TINY_CONFIG = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True,
 }
+
+#: overrides of `TINY_CONFIG` for a tiny shape whose rows are whole
+#: K-quant super-blocks (256 inputs)
+KQUANT_CONFIG = {
+    "hidden_size": 256,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 512,
+}
+
+#: llama.cpp's Q4_K_M mix as it falls on a small model: Q4_K, with Q6_K for
+#: the V projections, the MLP down projections (in the layers it gives more
+#: bits; all of them in a model this short) and the output head
+Q4_K_M = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}
+
+#: Q5_K_M likewise: Q5_K, with Q6_K where Q4_K_M has it
+Q5_K_M = Q4_K_M
+
 
 #: optional keys of a config, with what they default to
 FAMILY_DEFAULTS = {
@@ -130,6 +151,8 @@ class NumpyWeights:
             return w.astype(np.float32), None
         if qtype == gguf.GGMLQuantizationType.F16:
             return w.astype(np.float16), None
+        if qtype in kquants.K_TYPES:
+            return kquants.quantize(w, qtype), qtype
         return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
 
 
@@ -139,6 +162,7 @@ def write_model_gguf(
     *,
     weights,
     tensor_type: str = "F32",
+    tensor_types: dict[str, str] | None = None,
     vocab_size: int | None = None,
     name: str = "lockgate tiny test model",
 ) -> pathlib.Path:
@@ -150,6 +174,9 @@ def write_model_gguf(
         the same methods); asked for them in file order.
     :param tensor_type: GGML type of the 2-D weights; norms stay F32, as in
         real files.
+    :param tensor_types: types of particular 2-D weights, by tensor name
+        ("blk.0.attn_v.weight") or by its last two parts ("attn_v.weight"),
+        over `tensor_type`: a mix like `Q4_K_M`.
     :param vocab_size: pad the tiny vocabulary with placeholder tokens up to
         this size; None keeps it as it is.
     """
@@ -208,8 +235,11 @@ def write_model_gguf(
     writer.add_pad_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
 
+    types = tensor_types or {}
+
     def add(tensor_name: str, w) -> None:
-        data, raw_dtype = weights.encode(w, tensor_type)
+        short = ".".join(tensor_name.split(".")[-2:])
+        data, raw_dtype = weights.encode(w, types.get(tensor_name, types.get(short, tensor_type)))
         writer.add_tensor(tensor_name, data, raw_dtype=raw_dtype)
 
     def add_norm(tensor_name: str) -> None:
@@ -262,7 +292,13 @@ def write_model_gguf(
 
 
 def write_tiny_gguf(
-    path, *, tensor_type: str = "F32", seed: int = 0, vocab_size: int | None = None, **config_overrides
+    path,
+    *,
+    tensor_type: str = "F32",
+    tensor_types: dict[str, str] | None = None,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    **config_overrides,
 ) -> pathlib.Path:
     """Write a tiny GGUF with random weights and return its path (a llama
     unless `architecture` says otherwise).
@@ -271,8 +307,12 @@ def write_tiny_gguf(
     random-weight model of any llama shape (benchmarks/random_gguf.py writes
     real shapes through `write_model_gguf`, drawing on the GPU when it can).
 
-    :param tensor_type: GGML type of the 2-D weights: F32, F16, Q8_0, Q4_0,
-        Q4_1 (norms stay F32, as in real files).
+    :param tensor_type: GGML type of the 2-D weights: F32, F16, BF16, Q8_0,
+        Q4_0, Q4_1, Q5_0, Q5_1, or a K-quant (Q4_K, Q5_K, Q6_K: rows of
+        multiples of 256, as in `KQUANT_CONFIG`); norms stay F32, as in real
+        files.
+    :param tensor_types: per-tensor types over `tensor_type`
+        (`write_model_gguf`), e.g. `Q4_K_M`.
     :param seed: seed of the weights.
     :param vocab_size: pad the tiny vocabulary with placeholder tokens up to
         this size; None keeps it as it is.
@@ -286,6 +326,7 @@ def write_tiny_gguf(
         {**TINY_CONFIG, **config_overrides},
         weights=NumpyWeights(seed),
         tensor_type=tensor_type,
+        tensor_types=tensor_types,
         vocab_size=vocab_size,
     )
 

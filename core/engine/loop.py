@@ -168,9 +168,11 @@ class Engine:
     def healthy(self) -> bool:
         return self.unhealthy_reason is None and not self._stopping
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
+        """Load and KV cache figures, and under "weights" what the weights
+        run as (`Executor.load_report`) when the executor says."""
         with self._cond:
-            return {
+            figures: dict[str, Any] = {
                 "requests_running": len(self.scheduler.running),
                 "requests_waiting": len(self.scheduler.waiting),
                 "kv_pages_total": self.executor.total_pages,
@@ -180,6 +182,9 @@ class Engine:
                 "kv_pages_cached": self._kv_cached_pages,
                 "prefix_cache_sequences": self.scheduler.cached_sequences,
             }
+        if self.executor.load_report is not None:
+            figures["weights"] = self.executor.load_report
+        return figures
 
     # ----------------------------------------------------------- admission
 

@@ -78,6 +78,11 @@ class Executor(abc.ABC):
 
     #: tokens per KV page
     page_size: int
+    #: what the weights run as, for `/health` and the load log: {"formats":
+    #: [{"format", "tensors", "bytes", "file_bytes"}, …], "widened": [{"tensor",
+    #: "type", "bytes", "file_bytes"}, …]} (the TVM executor's
+    #: `weights.load_report`); None when an executor does not say
+    load_report: dict | None = None
     #: KV pages in the cache
     total_pages: int
     #: most sequences in one decode call

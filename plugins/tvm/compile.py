@@ -56,7 +56,7 @@ def as_target(target: Target | dict | str) -> Target:
 #: the plugin's sources every model library is compiled from (the family's
 #: own module is added per network)
 _SOURCE_FILES = (
-    "layers.py", "decoder.py", "rope.py", "kernels.py", "schedules.py", "pipelines.py", "compile.py",
+    "layers.py", "formats.py", "decoder.py", "rope.py", "kernels.py", "schedules.py", "pipelines.py", "compile.py",
 )
 
 

@@ -30,6 +30,7 @@ from lockgate.plugins.tvm.layers import (
     DECODE_ROW_TILE,
     DTYPE,
     GPU_DTYPE,
+    Embedding,
     PREFILL_ROW_TILE,
     RMSNorm,
     linear,
@@ -75,7 +76,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         qkv_out = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         p = f"layers.{layer_id}.self_attn."
-        self.qkv_proj = linear(config.hidden_size, qkv_out, cpu, formats.get(p + "qkv_proj", "f32"))
+        q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.qkv_proj = linear(
+            config.hidden_size, qkv_out, cpu, formats.get(p + "qkv_proj", "f32"), (q_out, kv_out, kv_out)
+        )
         if config.attention_bias:
             self.qkv_bias = nn.Parameter((qkv_out,), self.act_dtype)
         if config.qk_norm:
@@ -128,6 +132,7 @@ class MLP(nn.Module):
             2 * config.intermediate_size,
             cpu,
             formats.get(p + "gate_up_proj", "f32"),
+            (config.intermediate_size, config.intermediate_size),
         )
         self.down_proj = linear(
             config.intermediate_size, config.hidden_size, cpu, formats.get(p + "down_proj", "f32")
@@ -189,7 +194,9 @@ class DecoderForCausalLM(nn.Module):
         self.kv_dtype = CPU_KV_DTYPE if cpu else GPU_DTYPE
         formats = formats or {}
         if not config.tie_word_embeddings:
-            self.embed_tokens = nn.Parameter((config.vocab_size, config.hidden_size), self.act_dtype)
+            self.embed_tokens = Embedding(
+                config.vocab_size, config.hidden_size, formats.get("embed_tokens", "f16"), self.act_dtype
+            )
         self.layers = nn.ModuleList(
             [self.layer_class(config, i, cpu, formats) for i in range(config.num_layers)]
         )
@@ -201,7 +208,7 @@ class DecoderForCausalLM(nn.Module):
             # A strided gather of a few columns of the head costs far less
             # than keeping a second copy of the matrix.
             return self.lm_head.columns(input_ids)
-        return op.take(self.embed_tokens, input_ids, axis=0)
+        return self.embed_tokens(input_ids)
 
     def _body(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
         for layer in self.layers:

@@ -8,10 +8,13 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
+import structlog
 
 from lockgate.errors import ModelLoadError
 from lockgate.memory import trim_allocator
 from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
+
+log = structlog.get_logger("lockgate.executor")
 
 #: decode batch sizes on CUDA: a batch is padded up to the next of these, so
 #: `batch_decode` is captured as a CUDA graph once per bucket, not once per
@@ -93,7 +96,13 @@ class TVMExecutor(Executor):
 
         from lockgate.plugins.tvm.compile import compile_model, resolve_target
         from lockgate.plugins.tvm.kernels import PAGE_SIZE
-        from lockgate.plugins.tvm.weights import QuantizedAtLoad, iter_gguf_weights, linear_formats
+        from lockgate.plugins.tvm.weights import (
+            QuantizedAtLoad,
+            describe_load_report,
+            iter_gguf_weights,
+            linear_formats,
+            load_report,
+        )
 
         self._progress = options.progress or (lambda _msg: None)
         self._Shape = Shape
@@ -113,6 +122,16 @@ class TVMExecutor(Executor):
             tensors = QuantizedAtLoad(tensors, options.quantize, config)
         network = family.network("tvm")
         formats = linear_formats(tensors, config)
+        self.load_report = load_report(tensors, config, formats)
+        log.info("weight formats", formats=describe_load_report(self.load_report))
+        if self.load_report["widened"]:
+            widened = self.load_report["widened"]
+            extra = sum(row["bytes"] - row["file_bytes"] for row in widened)
+            log.warning(
+                "weights widened to f16: no kernel reads their type",
+                tensors=", ".join(f"{row['tensor']} ({row['type']})" for row in widened),
+                extra_mib=round(extra / (1 << 20), 1),
+            )
         cuda = target.kind.name == "cuda"
         self.compiled = compile_model(
             config,

@@ -3,9 +3,9 @@ the packed codes and scales of their GGML blocks.
 
 `GGUFTensors` is the tensor source the weight loader (`weights.py`) reads;
 `lockgate.models.hf.HFTensors` offers the same interface for a Hugging Face
-directory. Q4_0, Q4_1 and Q8_0 blocks are repacked bit-exactly into codes
-plus per-32 scales (and minimums), which the matmuls dequantize as they
-multiply; other GGML types are dequantized here.
+directory. Blocks of the packed types (`formats.FORMATS`: Q4_0 to Q8_0 and
+the K-quants) are repacked bit-exactly into the arrays the matmuls
+dequantize as they multiply; other GGML types are dequantized here.
 """
 
 from __future__ import annotations
@@ -20,64 +20,25 @@ import numpy as np
 
 from lockgate.errors import ModelLoadError
 from lockgate.models.gguf_metadata import GGUFMetadata
+from lockgate.plugins.tvm.formats import FORMAT_OF_TYPE as PACKED_FORMAT_OF_TYPE
+from lockgate.plugins.tvm.formats import pack_blocks, unpack_values
 
 PLAIN_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
 
-
-def _dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
-    # block: f16 scale, 32 x int8
-    blocks = raw.reshape(-1, 34)
-    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    codes = blocks[:, 2:].view(np.int8).astype(np.float32)
-    return codes * scale
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    # element j is the low nibble of byte j, element j + 16 the high nibble
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
-
-
-def _dequantize_q4_0(raw: np.ndarray) -> np.ndarray:
-    # block: f16 scale, 16 bytes of 4-bit codes; value = d * (q - 8)
-    blocks = raw.reshape(-1, 18)
-    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    return (_nibbles(blocks[:, 2:]) - 8.0) * scale
-
-
-def _dequantize_q4_1(raw: np.ndarray) -> np.ndarray:
-    # block: f16 scale, f16 minimum, 16 bytes of 4-bit codes; value = d * q + m
-    blocks = raw.reshape(-1, 20)
-    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    minimum = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    return _nibbles(blocks[:, 4:]) * scale + minimum
-
-
-#: whole-tensor numpy dequantizers; gguf's own work a few rows at a time and
-#: take seconds on a 135M-parameter model
-_FAST_DEQUANTIZE = {
-    gguf.GGMLQuantizationType.Q8_0: _dequantize_q8_0,
-    gguf.GGMLQuantizationType.Q4_0: _dequantize_q4_0,
-    gguf.GGMLQuantizationType.Q4_1: _dequantize_q4_1,
-}
-
-
-#: how a linear weight of each GGML type is stored on the CPU
+#: how a linear weight of each GGML type is stored: "f32", "f16" or a packed
+#: format of `formats.FORMATS`; other types (BF16, the IQ types, …) are
+#: widened to float16
 FORMAT_OF_TYPE = {
     gguf.GGMLQuantizationType.F32: "f32",
     gguf.GGMLQuantizationType.F16: "f16",
-    gguf.GGMLQuantizationType.Q8_0: "q8_0",
-    gguf.GGMLQuantizationType.Q4_0: "q4_0",
-    gguf.GGMLQuantizationType.Q4_1: "q4_1",
+    **PACKED_FORMAT_OF_TYPE,
 }
 
-#: the GGML type of each packed format
+#: the GGML type of each format
 TYPE_OF_FORMAT = {fmt: qtype for qtype, fmt in FORMAT_OF_TYPE.items()}
 
-#: bytes of one 32-element block, and where its codes start, per format
-_BLOCK_LAYOUT = {"q8_0": (34, 2), "q4_0": (18, 2), "q4_1": (20, 4)}
-
-#: the formats kept quantized
-QUANTIZED_FORMATS = tuple(_BLOCK_LAYOUT)
+#: rows dequantized at a time when a packed tensor is read whole
+_ROWS_PER_CHUNK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,28 +84,6 @@ def read_tensor_index(source: str | os.PathLike | GGUFMetadata) -> dict[str, Raw
     return tensors
 
 
-def codes_of_blocks(blocks: np.ndarray, rows: int, cols: int, fmt: str) -> dict[str, np.ndarray]:
-    """GGML blocks of an (out, in) matrix, as uint8 bytes, repacked into
-    `codes`, (rows, cols / 8) uint32 for the 4-bit formats (code of column
-    k in bits 4·(k % 8) of word k // 8) or (rows, cols) int8 for Q8_0, and
-    float32 `scales` (rows, cols / 32), plus `mins` for Q4_1."""
-    block_bytes, codes_at = _BLOCK_LAYOUT[fmt]
-    blocks = blocks.reshape(rows, cols // 32, block_bytes)
-    out = {"scales": blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)}
-    if fmt == "q4_1":
-        out["mins"] = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., codes_at:]
-    if fmt == "q8_0":
-        out["codes"] = qs.reshape(rows, cols).view(np.int8)
-        return out
-    # element j of a block is the low nibble of byte j, element j + 16
-    # the high nibble
-    nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols // 8, 8)
-    shifts = np.arange(0, 32, 4, dtype=np.uint32)
-    out["codes"] = np.bitwise_or.reduce(nibbles.astype(np.uint32) << shifts, axis=-1)
-    return out
-
-
 class GGUFTensors:
     """Named access to the tensors of one GGUF file: float32 values, or the
     quantized codes and scales of a block-quantized matrix.
@@ -173,13 +112,14 @@ class GGUFTensors:
         return self._read(name, (size,))
 
     def quantized(self, name: str, rows: int, cols: int, fmt: str) -> dict[str, np.ndarray]:
-        """A block-quantized (out, in) matrix as its codes and scales
-        (`codes_of_blocks`): the file's own codes, so the values they stand
-        for are bit-exactly those of llama.cpp's dequantization."""
+        """A block-quantized (out, in) matrix as the parts of packed format
+        `fmt` (`formats.pack_blocks`): the file's own codes and scales, so
+        the values they stand for are bit-exactly those of llama.cpp's
+        dequantization."""
         tensor = self._checked(name, (rows, cols))
         if self.tensor_type(name) != TYPE_OF_FORMAT[fmt]:
             raise ModelLoadError(f"tensor {name!r} is {self.tensor_type(name).name}, not {fmt}")
-        return codes_of_blocks(np.asarray(tensor.data, dtype=np.uint8), rows, cols, fmt)
+        return pack_blocks(tensor.data, rows, cols, fmt)
 
     def _checked(self, name: str, shape: tuple[int, ...]):
         tensor = self._tensors.get(name)
@@ -208,11 +148,11 @@ class GGUFTensors:
         qtype = tensor.tensor_type
         if dtype == np.float16 and qtype == gguf.GGMLQuantizationType.F16:
             return np.asarray(tensor.data).reshape(shape)
+        if qtype in PACKED_FORMAT_OF_TYPE and len(shape) == 2:
+            return self._unpacked(tensor, shape, PACKED_FORMAT_OF_TYPE[qtype], dtype)
         try:
             if qtype in PLAIN_TYPES:
                 values = np.asarray(tensor.data, dtype=np.float32)
-            elif qtype in _FAST_DEQUANTIZE:
-                values = _FAST_DEQUANTIZE[qtype](np.asarray(tensor.data, dtype=np.uint8))
             else:
                 values = gguf.quants.dequantize(tensor.data, qtype)
         except NotImplementedError as exc:
@@ -221,3 +161,16 @@ class GGUFTensors:
             ) from exc
         return np.asarray(values, dtype=np.float32).reshape(shape).astype(dtype, copy=False)
 
+
+    @staticmethod
+    def _unpacked(tensor: RawTensor, shape: tuple[int, int], fmt: str, dtype) -> np.ndarray:
+        """A packed matrix's values, dequantized a chunk of rows at a time
+        (`formats.unpack_values`, vectorized, unlike gguf's own)."""
+        rows, cols = shape
+        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1)
+        out = np.empty(shape, dtype=dtype)
+        for start in range(0, rows, _ROWS_PER_CHUNK):
+            chunk = raw[start : start + _ROWS_PER_CHUNK]
+            parts = pack_blocks(chunk, chunk.shape[0], cols, fmt)
+            out[start : start + chunk.shape[0]] = unpack_values(parts, fmt)
+        return out

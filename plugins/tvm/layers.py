@@ -11,9 +11,9 @@ streams from memory and stays in cache, where the strided columns of a plain
 
 On CUDA (`GPULinear`) weights are (out, in), the layout dlight's GPU rules
 read along the reduction axis, in float16, and so are the activations and
-the KV cache; Q4_0, Q4_1 and Q8_0 weights stay packed as in the GGUF file
-(codes plus float16 scales per 32 inputs) and are dequantized inside the
-matmul. float16 rather than bfloat16: TVM 0.27's tensor-core intrinsics
+the KV cache. On both targets a GGUF weight of a packed type (`formats.py`:
+Q4_0 to Q8_0 and the K-quants) stays packed, as codes and scales close to
+the file's bytes, and is dequantized inside the matmul. float16 rather than bfloat16: TVM 0.27's tensor-core intrinsics
 (`wmma_*`/`mma_*` in `tvm.s_tir.tensor_intrin.cuda`) and dlight's
 `MatmulTensorization` take float16 (or int8) inputs only, and the GGUF
 scales are float16 already. Matmuls, norms and the logits accumulate in
@@ -28,9 +28,11 @@ would stop TVM from keeping the accumulators in registers.
 
 from __future__ import annotations
 
-from tvm import te, tirx
+from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
+
+from lockgate.plugins.tvm.formats import FORMATS
 
 #: the activation dtype on the CPU
 DTYPE = "float32"
@@ -57,24 +59,21 @@ def panel_width(out_features: int) -> int:
     return out_features
 
 
-def _weight_value(fmt: str, ws: list[te.Tensor], p, k, j):
-    """Element (k, n) of a paneled weight, n = p·width + j, as float32.
-
-    Quantized weights are dequantized right here, so the matmul that reads
-    this expression multiplies by values it never stores: a 4-bit code is
-    bits 4·(k % 8) of word k // 8, scaled by its group of 32's scale (and
-    offset by its minimum for Q4_1, centred on 8 for Q4_0).
-    """
+def _value(fmt: str, ws: list[te.Tensor], at, k):
+    """Element k (along the input) of one output feature of a stored
+    weight, as float32: `at(array, per)` reads an array at `k // per` for
+    that output. A packed weight is dequantized right here
+    (`formats.FORMATS`), so the kernel reading this expression uses values
+    it never stores."""
     if fmt in ("f32", "f16"):
-        return ws[0][p, k, j].astype("float32")
-    group = k // 32
-    if fmt == "q8_0":
-        return ws[0][p, k, j].astype("float32") * ws[1][p, group, j]
-    shift = (k % 8 * 4).astype("uint32")
-    code = ((ws[0][p, k // 8, j] >> shift) & tirx.const(15, "uint32")).astype("float32")
-    if fmt == "q4_0":
-        return (code - tirx.const(8, "float32")) * ws[1][p, group, j]
-    return code * ws[1][p, group, j] + ws[2][p, group, j]
+        return at(ws[0], 1).astype("float32")
+    arrays = {part.name: (w, part.per) for part, w in zip(FORMATS[fmt].parts, ws)}
+    return FORMATS[fmt].value(lambda name: at(*arrays[name]), k)
+
+
+def _weight_value(fmt: str, ws: list[te.Tensor], p, k, j):
+    """Element (k, n) of a paneled weight, n = p·width + j, as float32."""
+    return _value(fmt, ws, lambda w, per: w[p, k // per, j], k)
 
 
 def _panel_matmul(fmt: str, x: te.Tensor, *ws: te.Tensor) -> te.Tensor:
@@ -125,21 +124,15 @@ def _panel_columns(fmt: str, k_extent: int, ids: te.Tensor, *ws: te.Tensor) -> t
 def _gpu_weight_value(fmt: str, ws: list[te.Tensor], n, k):
     """Element (n, k) of an (out, in) GPU weight, as float16.
 
-    The 4-bit codes are packed as on the CPU (bits 4·(k % 8) of word k // 8)
-    but rows are output features, so a thread walking k reads consecutive
-    words; codes of at most 15 (or ±127) times a float16 scale are exactly
-    what llama.cpp's CUDA kernels compute in half precision.
+    The packed parts are those of the CPU (`formats.FORMATS`), rows being
+    output features, so a thread walking k reads consecutive words; the
+    value is computed in float32, exactly as GGML's dequantization, and
+    rounded once to float16, as llama.cpp's CUDA kernels round the weights
+    they hand to half-precision matmuls.
     """
     if fmt == "f16":
         return ws[0][n, k]
-    scale = ws[1][n, k // 32]
-    if fmt == "q8_0":
-        return ws[0][n, k].astype(GPU_DTYPE) * scale
-    shift = (k % 8 * 4).astype("uint32")
-    code = ((ws[0][n, k // 8] >> shift) & tirx.const(15, "uint32")).astype(GPU_DTYPE)
-    if fmt == "q4_0":
-        return (code - tirx.const(8, GPU_DTYPE)) * scale
-    return code * scale + ws[2][n, k // 32]
+    return _value(fmt, ws, lambda w, per: w[n, k // per], k).astype(GPU_DTYPE)
 
 
 def _gpu_matmul(fmt: str, out_dtype: str, x: te.Tensor, *ws: te.Tensor) -> te.Tensor:
@@ -173,46 +166,39 @@ def _gpu_matmul(fmt: str, out_dtype: str, x: te.Tensor, *ws: te.Tensor) -> te.Te
     return te.compute(acc.shape, lambda *i: acc[i].astype(out_dtype), name="cast")
 
 
-def _gpu_rows(fmt: str, k_extent: int, ids: te.Tensor, *ws: te.Tensor) -> te.Tensor:
-    return te.compute(
-        (ids.shape[0], k_extent),
-        lambda t, k: _gpu_weight_value(fmt, ws, ids[t], k),
-        name="take_rows",
-    )
+def _packed_parameters(module: nn.Module, fmt: str, in_features: int, shape_of) -> None:
+    """Give `module` one parameter per part of packed format `fmt`, shaped
+    by `shape_of(rows along the input)`."""
+    for part in FORMATS[fmt].parts:
+        setattr(module, part.name, nn.Parameter(shape_of(in_features // part.per), part.dtype))
+
+
+def _stored(module: nn.Module) -> list:
+    if module.fmt in ("f32", "f16"):
+        return [module.weight]
+    return [getattr(module, part.name) for part in FORMATS[module.fmt].parts]
 
 
 class GPULinear(nn.Module):
     """y = x @ W.T on CUDA, W stored (out, in).
 
-    `fmt` is one of `weights.linear_formats`' formats; float32 and other
-    unpacked weights are kept as float16. Packed formats keep `codes`
-    ((out, in / 8) uint32 for Q4_0/Q4_1, (out, in) int8 for Q8_0) and
-    float16 `scales` (out, in / 32), plus `mins` for Q4_1.
+    `fmt` is "f16" or a packed format of `formats.FORMATS`; float32 and other
+    unpacked weights are kept as float16. A packed weight keeps its format's
+    parts, each (out, in / per).
     """
 
     def __init__(self, in_features: int, out_features: int, fmt: str = "f16") -> None:
-        self.fmt = fmt if fmt in ("q4_0", "q4_1", "q8_0") else "f16"
+        self.fmt = fmt if fmt in FORMATS else "f16"
         self.in_features = in_features
         if self.fmt == "f16":
             self.weight = nn.Parameter((out_features, in_features), GPU_DTYPE)
-            return
-        if self.fmt == "q8_0":
-            self.codes = nn.Parameter((out_features, in_features), "int8")
         else:
-            self.codes = nn.Parameter((out_features, in_features // 8), "uint32")
-        self.scales = nn.Parameter((out_features, in_features // 32), GPU_DTYPE)
-        if self.fmt == "q4_1":
-            self.mins = nn.Parameter((out_features, in_features // 32), GPU_DTYPE)
-
-    def _stored(self) -> list:
-        if self.fmt == "f16":
-            return [self.weight]
-        return [self.codes, self.scales] + ([self.mins] if self.fmt == "q4_1" else [])
+            _packed_parameters(self, self.fmt, in_features, lambda rows: (out_features, rows))
 
     def forward(self, x: Tensor, row_tile: int = 1, out_dtype: str = GPU_DTYPE) -> Tensor:
         fmt = self.fmt
         return op.tensor_expr_op(
-            lambda xt, *ws: _gpu_matmul(fmt, out_dtype, xt, *ws), "matmul", [x, *self._stored()]
+            lambda xt, *ws: _gpu_matmul(fmt, out_dtype, xt, *ws), "matmul", [x, *_stored(self)]
         )
 
     def columns(self, ids: Tensor) -> Tensor:
@@ -221,17 +207,16 @@ class GPULinear(nn.Module):
             return op.take(self.weight, ids, axis=0)
         fmt, k_extent = self.fmt, self.in_features
         return op.tensor_expr_op(
-            lambda it, *ws: _gpu_rows(fmt, k_extent, it, *ws), "take_rows", [ids, *self._stored()]
+            lambda it, *ws: _gather_rows(fmt, k_extent, GPU_DTYPE, it, *ws), "take_rows", [ids, *_stored(self)]
         )
 
 
 class Linear(nn.Module):
     """y = x @ W on the CPU, W stored as column panels (out / panel, in, panel).
 
-    Weights come in the formats of `weights.linear_formats`: a
-    float32 or float16 `weight`, or quantized `codes` with per-32 `scales`
-    (and `mins` for Q4_1), whose rows are the input features in groups of 8
-    (4-bit codes packed in a uint32), 1 (Q8_0's int8) or 32 (scales).
+    Weights are "f32", "f16" (a `weight`) or a packed format of
+    `formats.FORMATS`, whose parts are paneled the same way: (out / panel,
+    in / per, panel).
     """
 
     def __init__(self, in_features: int, out_features: int, fmt: str = "f32") -> None:
@@ -242,24 +227,13 @@ class Linear(nn.Module):
         if self.fmt in ("f32", "f16"):
             dtype = "float16" if self.fmt == "f16" else "float32"
             self.weight = nn.Parameter((panels, in_features, width), dtype)
-        elif self.fmt == "q8_0":
-            self.codes = nn.Parameter((panels, in_features, width), "int8")
-            self.scales = nn.Parameter((panels, in_features // 32, width), "float32")
-        elif self.fmt in ("q4_0", "q4_1"):
-            self.codes = nn.Parameter((panels, in_features // 8, width), "uint32")
-            self.scales = nn.Parameter((panels, in_features // 32, width), "float32")
-            if self.fmt == "q4_1":
-                self.mins = nn.Parameter((panels, in_features // 32, width), "float32")
+        elif self.fmt in FORMATS:
+            _packed_parameters(self, self.fmt, in_features, lambda rows: (panels, rows, width))
         else:
             raise ValueError(f"unknown weight format {fmt!r}")
 
-    def _stored(self) -> list:
-        if self.fmt in ("f32", "f16"):
-            return [self.weight]
-        return [self.codes, self.scales] + ([self.mins] if self.fmt == "q4_1" else [])
-
     def forward(self, x: Tensor, row_tile: int = 1, out_dtype: str = DTYPE) -> Tensor:
-        fmt, stored = self.fmt, self._stored()
+        fmt, stored = self.fmt, _stored(self)
         if row_tile == 1:
             return op.tensor_expr_op(
                 lambda xt, *ws: _panel_matmul(fmt, xt, *ws), "matmul", [x, *stored]
@@ -280,15 +254,83 @@ class Linear(nn.Module):
         return op.tensor_expr_op(
             lambda it, *ws: _panel_columns(fmt, k_extent, it, *ws),
             "take_columns",
-            [ids, *self._stored()],
+            [ids, *_stored(self)],
         )
 
 
-def linear(in_features: int, out_features: int, cpu: bool, fmt: str):
-    """The CPU's paneled `Linear` or CUDA's `GPULinear`."""
+class SplitLinear(nn.Module):
+    """A fused projection (Q/K/V, gate/up) whose source tensors differ in
+    format, as one linear per run of equal formats (`part0`, `part1`, …),
+    their outputs joined: each part stays packed in its own format rather
+    than the whole being widened to a common one."""
+
+    def __init__(self, in_features: int, groups: list[tuple[int, str]], cpu: bool) -> None:
+        self.parts = len(groups)
+        for i, (out_features, fmt) in enumerate(groups):
+            setattr(self, f"part{i}", linear(in_features, out_features, cpu, fmt))
+
+    def forward(self, x: Tensor, row_tile: int = 1, *args) -> Tensor:
+        outs = [getattr(self, f"part{i}")(x, row_tile, *args) for i in range(self.parts)]
+        return op.concat(outs, dim=-1)
+
+
+def split_groups(fmt: str, out_sizes: tuple[int, ...]) -> list[tuple[int, str]]:
+    """A fused module's per-tensor formats ("q4_k,q4_k,q6_k", one per
+    tensor, as `weights.linear_formats` writes them) as (output size,
+    format) runs of equal format."""
+    fmts = fmt.split(",")
+    if len(fmts) != len(out_sizes):
+        raise ValueError(f"format {fmt!r} does not name one format per part of {out_sizes}")
+    groups: list[tuple[int, str]] = []
+    for size, part_fmt in zip(out_sizes, fmts):
+        if groups and groups[-1][1] == part_fmt:
+            groups[-1] = (groups[-1][0] + size, part_fmt)
+        else:
+            groups.append((size, part_fmt))
+    return groups
+
+
+def linear(in_features: int, out_features: int, cpu: bool, fmt: str, parts: tuple[int, ...] = ()):
+    """The CPU's paneled `Linear` or CUDA's `GPULinear`; a fused module
+    (output sizes `parts`) whose tensors differ in format is a `SplitLinear`."""
+    if "," in fmt:
+        return SplitLinear(in_features, split_groups(fmt, parts or (out_features,)), cpu)
     if cpu:
         return Linear(in_features, out_features, fmt)
     return GPULinear(in_features, out_features, fmt)
+
+
+def _gather_rows(fmt: str, k_extent: int, dtype: str, ids: te.Tensor, *ws: te.Tensor) -> te.Tensor:
+    """Rows `ids` of an (out, in) weight, dequantized into `dtype`."""
+    return te.compute(
+        (ids.shape[0], k_extent),
+        lambda t, k: _value(fmt, ws, lambda w, per: w[ids[t], k // per], k).astype(dtype),
+        name="take_rows",
+    )
+
+
+class Embedding(nn.Module):
+    """A separate (untied) token embedding table, (vocab, hidden) rows in
+    the file's format, f32/f16 or packed (`formats.FORMATS`), gathered and
+    dequantized a row per token into `dtype`: a packed table is never
+    widened as a whole."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, fmt: str, dtype: str) -> None:
+        keeps_f32 = fmt == "f32" and dtype == "float32"
+        self.fmt = fmt if fmt in FORMATS or keeps_f32 else "f16"
+        self.in_features = hidden_size
+        self.dtype = dtype
+        if self.fmt in ("f32", "f16"):
+            store = "float16" if self.fmt == "f16" else "float32"
+            self.weight = nn.Parameter((vocab_size, hidden_size), store)
+        else:
+            _packed_parameters(self, self.fmt, hidden_size, lambda rows: (vocab_size, rows))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        fmt, k_extent, dtype = self.fmt, self.in_features, self.dtype
+        return op.tensor_expr_op(
+            lambda it, *ws: _gather_rows(fmt, k_extent, dtype, it, *ws), "take_rows", [ids, *_stored(self)]
+        )
 
 
 class RMSNorm(nn.Module):

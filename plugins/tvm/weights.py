@@ -8,13 +8,15 @@ Hugging Face models, so those rows are permuted back here (`permuted_qk`;
 Qwen and Gemma files are written in rotate-half order already).
 
 The tensors come from a tensor source (`gguf_tensors.GGUFTensors`,
-`lockgate.models.hf.HFTensors`, or either through `QuantizedAtLoad`). On the
-CPU the linear weights of Q4_0, Q4_1 and Q8_0 stay quantized (codes and
-scales laid out as column panels like any other weight; `layers.Linear`
-dequantizes as it multiplies); F16 weights stay f16, F32 weights f32; other
-GGML types are dequantized to f16. On CUDA (`gpu=True`) the same codes stay
-packed, but in (out, in) order with float16 scales (`layers.GPULinear`), and
-every unpacked weight is float16.
+`lockgate.models.hf.HFTensors`, or either through `QuantizedAtLoad`). Each
+weight keeps its own tensor's format (`linear_formats`): the packed types of
+`formats.FORMATS` stay packed (on the CPU their parts are laid out as column
+panels like any other weight, and `layers.Linear` dequantizes as it
+multiplies), F16 weights stay f16, F32 weights f32, and other GGML types are
+widened to f16, which `load_report` warns of. On CUDA (`gpu=True`) the same
+parts stay packed in (out, in) order (`layers.GPULinear`), and every
+unpacked weight is float16. A separate embedding table is kept the same
+way, in rows (`layers.Embedding`).
 """
 
 from __future__ import annotations
@@ -26,14 +28,9 @@ import numpy as np
 
 from lockgate.errors import ModelLoadError
 from lockgate.models.config import ModelConfig
-from lockgate.plugins.tvm.gguf_tensors import (
-    FORMAT_OF_TYPE,
-    PLAIN_TYPES,
-    QUANTIZED_FORMATS,
-    TYPE_OF_FORMAT,
-    GGUFTensors,
-    codes_of_blocks,
-)
+from lockgate.plugins.tvm.formats import FORMATS, pack_blocks
+from lockgate.plugins.tvm.gguf_tensors import FORMAT_OF_TYPE, PLAIN_TYPES, TYPE_OF_FORMAT, GGUFTensors
+from lockgate.plugins.tvm.layers import split_groups
 
 def undo_rope_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
     """Invert llama.cpp's Q/K row permutation on an (out, in) matrix."""
@@ -88,7 +85,7 @@ class QuantizedAtLoad:
             return self._tensors.quantized(name, rows, cols, fmt)
         qtype = TYPE_OF_FORMAT[fmt]
         blocks = gguf.quants.quantize(self._tensors.matrix(name, rows, cols), qtype)
-        return codes_of_blocks(np.asarray(blocks, dtype=np.uint8), rows, cols, fmt)
+        return pack_blocks(blocks, rows, cols, fmt)
 
 
 def to_panels(w: np.ndarray, width: int) -> np.ndarray:
@@ -132,23 +129,59 @@ def _in_features(c: ModelConfig, module: str) -> int:
     return c.hidden_size
 
 
-def linear_formats(tensors: GGUFTensors, config: ModelConfig) -> dict[str, str]:
-    """How each linear module's weight is stored: "f32", "f16", "q8_0",
-    "q4_0" or "q4_1", keyed by module name ("layers.3.mlp.down_proj",
-    "lm_head").
+def _tensor_format(tensors: GGUFTensors, name: str, cols: int) -> str:
+    """How one tensor is stored: its GGML type's format, or "f16" for a
+    type no kernel reads (and for blocks that do not tile the rows)."""
+    fmt = FORMAT_OF_TYPE.get(tensors.tensor_type(name), "f16")
+    if fmt in FORMATS and cols % FORMATS[fmt].block:
+        return "f16"
+    return fmt
 
-    A fused module (q/k/v, gate/up) keeps its format only when all of its
-    tensors share it; otherwise, and for GGML types the kernels do not
-    handle, it falls back to f16.
+
+def linear_formats(tensors: GGUFTensors, config: ModelConfig) -> dict[str, str]:
+    """How each linear module's weight is stored, keyed by module name
+    ("layers.3.mlp.down_proj", "lm_head", and "embed_tokens" for a separate
+    embedding table): "f32", "f16" or a packed format of `formats.FORMATS`,
+    each tensor in its own GGML type's format.
+
+    A fused module (q/k/v, gate/up) whose tensors differ in format gets
+    one format per tensor, comma-separated ("q4_k,q4_k,q6_k"): the model
+    builds it as a `layers.SplitLinear`, each part packed as its file has it.
+    Types no kernel reads are widened to f16 (`load_report` warns of them).
     """
     formats = {}
     for module, parts in _linear_sources(config, "output.weight" in tensors).items():
-        found = {FORMAT_OF_TYPE.get(tensors.tensor_type(name)) for name, _, _ in parts}
-        fmt = found.pop() if len(found) == 1 and None not in found else "f16"
-        if fmt in QUANTIZED_FORMATS and _in_features(config, module) % 32:
-            fmt = "f16"
-        formats[module] = fmt
+        cols = _in_features(config, module)
+        found = [_tensor_format(tensors, name, cols) for name, _, _ in parts]
+        formats[module] = found[0] if len(set(found)) == 1 else ",".join(found)
+    if not config.tie_word_embeddings:
+        formats["embed_tokens"] = _tensor_format(tensors, "token_embd.weight", config.hidden_size)
     return formats
+
+
+def _module_sources(
+    c: ModelConfig, has_output: bool, permuted_qk: bool, formats: dict[str, str]
+) -> dict[str, tuple[list[tuple[str, int, int]], str]]:
+    """Each weight-holding module of the network, as (GGUF tensors, format):
+    the linear modules, the parts of a split fused module (`module.part0`,
+    …: runs of tensors of one format), and a separate embedding table."""
+    modules = {}
+    for module, parts in _linear_sources(c, has_output, permuted_qk).items():
+        fmt = formats.get(module, "f32")
+        if "," not in fmt:
+            modules[module] = (parts, fmt)
+            continue
+        start = 0
+        for i, (size, part_fmt) in enumerate(split_groups(fmt, tuple(rows for _, rows, _ in parts))):
+            group, covered = [], 0
+            while covered < size:
+                group.append(parts[start])
+                covered += parts[start][1]
+                start += 1
+            modules[f"{module}.part{i}"] = (group, part_fmt)
+    if not c.tie_word_embeddings:
+        modules["embed_tokens"] = ([("token_embd.weight", c.vocab_size, 0)], formats.get("embed_tokens", "f16"))
+    return modules
 
 
 def _linear_arrays(
@@ -159,12 +192,15 @@ def _linear_arrays(
     fmt: str,
     gpu: bool = False,
 ) -> dict[str, np.ndarray]:
-    """A linear module's parameters in (rows, out) layout, rows being the
-    input features (or their groups of 8 / 32 for codes and scales); with
-    `gpu`, (out, rows) as `model.GPULinear` keeps them, float16 scales and
-    weights (anything not kept packed becomes float16)."""
-    cols = _in_features(c, module)
-    if fmt in QUANTIZED_FORMATS:
+    """A linear module's parameters: in (rows, out) layout on the CPU, rows
+    being the input features (or their groups for a packed format's
+    parts); with `gpu`, and for an embedding table on either target, (out,
+    rows) as `layers.GPULinear` and `layers.Embedding` keep them. A weight
+    not packed is float16 on CUDA, and on the CPU as its format says."""
+    base = module.split(".part")[0]
+    cols = _in_features(c, base)
+    rows_layout = gpu or base == "embed_tokens"
+    if fmt in FORMATS:
         pieces = [t.quantized(name, rows, cols, fmt) for name, rows, _ in parts]
         for piece, (_, _, heads) in zip(pieces, parts):
             if heads:
@@ -174,13 +210,7 @@ def _linear_arrays(
             f"{module}.{key}": np.concatenate([p[key] for p in pieces], axis=0)
             for key in pieces[0]
         }
-        if not gpu:
-            return {name: array.T for name, array in out.items()}
-        # the file's scales are float16: the cast back is exact
-        return {
-            name: array if name.endswith(".codes") else array.astype(np.float16)
-            for name, array in out.items()
-        }
+        return out if rows_layout else {name: array.T for name, array in out.items()}
     # read in the stored dtype: an f16 weight of an F16 file is never widened
     dtype = np.float16 if gpu or fmt == "f16" else np.float32
     matrices = []
@@ -188,7 +218,7 @@ def _linear_arrays(
         w = t.matrix(name, rows, cols, dtype)
         matrices.append(undo_rope_permutation(w, heads) if heads else w)
     weight = matrices[0] if len(matrices) == 1 else np.concatenate(matrices, axis=0)
-    return {f"{module}.weight": weight if gpu else weight.T}
+    return {f"{module}.weight": weight if rows_layout else weight.T}
 
 
 def iter_gguf_weights(
@@ -218,14 +248,10 @@ def iter_gguf_weights(
         cannot be dequantized.
     """
     c = config
-    sources = _linear_sources(c, "output.weight" in tensors, permuted_qk)
-    release = getattr(tensors, "release_pages", None)
     formats = formats or {}
+    sources = _module_sources(c, "output.weight" in tensors, permuted_qk, formats)
+    release = getattr(tensors, "release_pages", None)
     by_name: dict[str, np.ndarray] = {}
-    if not c.tie_word_embeddings:
-        by_name["embed_tokens"] = tensors.matrix(
-            "token_embd.weight", c.vocab_size, c.hidden_size, np.float16 if gpu else np.float32
-        )
     by_name["norm.weight"] = tensors.vector("output_norm.weight", c.hidden_size)
     loaded: set[str] = set()
     for name, shape in param_names:
@@ -235,9 +261,8 @@ def iter_gguf_weights(
                 layer = int(module.split(".")[1])
                 if layer % 10 == 0:
                     progress(f"loading weights: layer {layer + 1}/{c.num_layers}")
-            by_name.update(
-                _linear_arrays(tensors, c, module, sources[module], formats.get(module, "f32"), gpu)
-            )
+            module_parts, fmt = sources[module]
+            by_name.update(_linear_arrays(tensors, c, module, module_parts, fmt, gpu))
             loaded.add(module)
         elif name not in by_name and name.startswith("layers."):
             array = _layer_vector(tensors, c, name, permuted_qk)
@@ -293,3 +318,45 @@ def _layer_vector(tensors: GGUFTensors, c: ModelConfig, name: str, permuted_qk: 
             pieces.append(undo_rope_permutation(values, heads) if permuted_qk and heads else values)
         return np.concatenate(pieces)
     return None
+
+
+def _format_bits(fmt: str) -> float:
+    return {"f32": 32.0, "f16": 16.0}.get(fmt) or FORMATS[fmt].bits_per_weight
+
+
+def load_report(tensors: GGUFTensors, config: ModelConfig, formats: dict[str, str]) -> dict:
+    """What the model's weight matrices run as: per format, the tensors and
+    their bytes as loaded and as in the file; and the tensors of a type no
+    kernel reads, widened to f16, with what that costs.
+
+    Returns {"formats": [{"format", "tensors", "bytes", "file_bytes"}, …]
+    (largest first), "widened": [{"tensor", "type", "bytes", "file_bytes"},
+    …]}; `bytes` count what the packed parts take, `file_bytes` the GGML
+    blocks they came from.
+    """
+    rows_by_format: dict[str, dict] = {}
+    widened = []
+    for module, (parts, fmt) in _module_sources(config, "output.weight" in tensors, False, formats).items():
+        cols = _in_features(config, module.split(".part")[0])
+        for name, rows, _ in parts:
+            qtype = tensors.tensor_type(name)
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            file_bytes = rows * cols // block * block_bytes
+            stored = int(rows * cols * _format_bits(fmt) / 8)
+            entry = rows_by_format.setdefault(fmt, {"format": fmt, "tensors": 0, "bytes": 0, "file_bytes": 0})
+            entry["tensors"] += 1
+            entry["bytes"] += stored
+            entry["file_bytes"] += file_bytes
+            if FORMAT_OF_TYPE.get(qtype) != fmt:
+                widened.append({"tensor": name, "type": qtype.name, "bytes": stored, "file_bytes": file_bytes})
+    ordered = sorted(rows_by_format.values(), key=lambda row: -row["bytes"])
+    return {"formats": ordered, "widened": widened}
+
+
+def describe_load_report(report: dict) -> str:
+    """The report on one line: "q4_k 98 tensors 61.2 MiB (file 59.8 MiB), …"."""
+    mib = 1 << 20
+    return ", ".join(
+        f"{row['format']} {row['tensors']} tensors {row['bytes'] / mib:.1f} MiB (file {row['file_bytes'] / mib:.1f} MiB)"
+        for row in report["formats"]
+    )

@@ -1,0 +1,405 @@
+"""The packed weight formats: how each GGML block type is stored for the
+kernels and dequantized inside them.
+
+A `WeightFormat` names the arrays a linear weight of its type keeps (its
+`Part`s), how GGML blocks are repacked into them at load (`pack`), and the
+value of element k of an output column as a TIR expression (`value`), which
+the CPU matmul (`layers.Linear`) and the CUDA one (`layers.GPULinear`) both
+inline into their reductions, so a weight is never stored widened.
+
+Every part is indexed along the input axis by `k // per`:
+
+* `codes`: 4-bit codes, eight to a uint32 word (code k in bits 4·(k % 8)
+  of word k // 8), or Q8_0's int8 codes, one per input;
+* `high`: the codes' extra high bits, packed in uint32 words: Q5's fifth bit
+  (bit k % 32 of word k // 32, which is GGML's own `qh` word) or Q6_K's two
+  top bits (bits 2·(k % 16) of word k // 16);
+* `scales`, `mins`: float16 per block of 32, as the file has them;
+* `sub_scales`, `sub_mins`: a K-quant's 6-bit (Q4_K, Q5_K) or int8 (Q6_K)
+  scales per sub-block of 32 (16 for Q6_K), one byte each;
+* `super_scales`, `super_mins`: a K-quant's float16 `d` and `dmin` per
+  super-block of 256.
+
+The values are bit-exactly GGML's float32 dequantization: a K-quant's
+sub-block scale d·sc is an 11-bit by 6-bit (8-bit for Q6_K) product, exact
+in float32, so (d·sc)·q − dmin·m rounds once, wherever it is computed. The
+stored bytes are the file's, give or take a byte per 32 inputs for the
+unpacked 6-bit sub-scales of Q4_K/Q5_K (4.625 and 5.625 bits a weight
+against 4.5 and 5.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import gguf
+import numpy as np
+from tvm import tirx
+
+Q = gguf.GGMLQuantizationType
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One stored array of a packed weight: (out, in / per) of `dtype` in
+    (out, in) order (the CPU's column panels transpose it)."""
+
+    name: str
+    dtype: str
+    per: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """A GGML block type as the kernels keep and read it."""
+
+    name: str
+    ggml_type: gguf.GGMLQuantizationType
+    #: inputs per GGML block (32, or 256 for the K-quants)
+    block: int
+    parts: tuple[Part, ...]
+    #: (load, k) -> the float32 value of input k, where load(part name)
+    #: reads that part at k // part.per for the output column at hand
+    value: Callable
+    #: (blocks, rows, cols) -> {part name: (rows, cols / per) array}, from
+    #: the file's bytes viewed as (rows, cols / block, block bytes) uint8
+    pack: Callable[[np.ndarray, int, int], dict[str, np.ndarray]]
+
+    @property
+    def bits_per_weight(self) -> float:
+        return sum(np.dtype(p.dtype).itemsize * 8 / p.per for p in self.parts)
+
+
+# -- the values, as TIR ----------------------------------------------------
+
+
+def _f32(x):
+    return x.astype("float32")
+
+
+def _u32(value: int):
+    return tirx.const(value, "uint32")
+
+
+def _nibble(load, k):
+    return (load("codes") >> (k % 8 * 4).astype("uint32")) & _u32(15)
+
+
+def _five_bits(load, k):
+    high = (load("high") >> (k % 32).astype("uint32")) & _u32(1)
+    return _nibble(load, k) | (high << _u32(4))
+
+
+def _six_bits(load, k):
+    high = (load("high") >> (k % 16 * 2).astype("uint32")) & _u32(3)
+    return _nibble(load, k) | (high << _u32(4))
+
+
+def _centred(code, centre: int):
+    return _f32(code) - tirx.const(float(centre), "float32")
+
+
+def _sub_scale(load):
+    return _f32(load("super_scales")) * _f32(load("sub_scales"))
+
+
+def _sub_min(load):
+    return _f32(load("super_mins")) * _f32(load("sub_mins"))
+
+
+def _value_q8_0(load, k):
+    return _f32(load("codes")) * _f32(load("scales"))
+
+
+def _value_q4_0(load, k):
+    return _centred(_nibble(load, k), 8) * _f32(load("scales"))
+
+
+def _value_q4_1(load, k):
+    return _f32(_nibble(load, k)) * _f32(load("scales")) + _f32(load("mins"))
+
+
+def _value_q5_0(load, k):
+    return _centred(_five_bits(load, k), 16) * _f32(load("scales"))
+
+
+def _value_q5_1(load, k):
+    return _f32(_five_bits(load, k)) * _f32(load("scales")) + _f32(load("mins"))
+
+
+def _value_q4_k(load, k):
+    return _sub_scale(load) * _f32(_nibble(load, k)) - _sub_min(load)
+
+
+def _value_q5_k(load, k):
+    return _sub_scale(load) * _f32(_five_bits(load, k)) - _sub_min(load)
+
+
+def _value_q6_k(load, k):
+    return _sub_scale(load) * _centred(_six_bits(load, k), 32)
+
+
+# -- repacking GGML blocks -------------------------------------------------
+
+
+def _f16_field(blocks: np.ndarray, at: int) -> np.ndarray:
+    """A float16 field of every block, (rows, blocks)."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0]
+
+
+def nibble_words(codes: np.ndarray) -> np.ndarray:
+    """(rows, cols) codes below 16 -> (rows, cols / 8) uint32 words."""
+    rows, cols = codes.shape
+    shifts = np.arange(0, 32, 4, dtype=np.uint32)
+    return np.bitwise_or.reduce(
+        (codes.reshape(rows, cols // 8, 8).astype(np.uint32) & 15) << shifts, axis=-1
+    )
+
+
+def _two_bit_words(bits: np.ndarray) -> np.ndarray:
+    """(rows, cols) values below 4 -> (rows, cols / 16) uint32 words."""
+    rows, cols = bits.shape
+    shifts = np.arange(0, 32, 2, dtype=np.uint32)
+    return np.bitwise_or.reduce(
+        bits.reshape(rows, cols // 16, 16).astype(np.uint32) << shifts, axis=-1
+    )
+
+
+def _one_bit_words(bits: np.ndarray) -> np.ndarray:
+    """(rows, cols) bits -> (rows, cols / 32) uint32 words."""
+    rows, cols = bits.shape
+    shifts = np.arange(32, dtype=np.uint32)
+    return np.bitwise_or.reduce(
+        bits.reshape(rows, cols // 32, 32).astype(np.uint32) << shifts, axis=-1
+    )
+
+
+def _block_nibbles(qs: np.ndarray) -> np.ndarray:
+    """A 32-input block's 16 code bytes -> its 32 codes: input j is the low
+    nibble of byte j, input j + 16 the high nibble."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _pack_q8_0(blocks, rows, cols):
+    return {
+        "codes": blocks[..., 2:].reshape(rows, cols).view(np.int8),
+        "scales": _f16_field(blocks, 0),
+    }
+
+
+def _pack_q4_0(blocks, rows, cols):
+    return {
+        "codes": nibble_words(_block_nibbles(blocks[..., 2:]).reshape(rows, cols)),
+        "scales": _f16_field(blocks, 0),
+    }
+
+
+def _pack_q4_1(blocks, rows, cols):
+    return {
+        "codes": nibble_words(_block_nibbles(blocks[..., 4:]).reshape(rows, cols)),
+        "scales": _f16_field(blocks, 0),
+        "mins": _f16_field(blocks, 2),
+    }
+
+
+def _qh_words(blocks: np.ndarray, at: int) -> np.ndarray:
+    # GGML's qh: bit j of the little-endian word is input j's fifth bit
+    return blocks[..., at : at + 4].copy().view("<u4")[..., 0].astype(np.uint32)
+
+
+def _pack_q5_0(blocks, rows, cols):
+    return {
+        "codes": nibble_words(_block_nibbles(blocks[..., 6:]).reshape(rows, cols)),
+        "high": _qh_words(blocks, 2),
+        "scales": _f16_field(blocks, 0),
+    }
+
+
+def _pack_q5_1(blocks, rows, cols):
+    return {
+        "codes": nibble_words(_block_nibbles(blocks[..., 8:]).reshape(rows, cols)),
+        "high": _qh_words(blocks, 4),
+        "scales": _f16_field(blocks, 0),
+        "mins": _f16_field(blocks, 2),
+    }
+
+
+def k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and mins of a Q4_K/Q5_K super-block, from its
+    12 bytes (…, 12) -> two (…, 8) uint8 arrays (GGML's `get_scale_min_k4`)."""
+    q = packed.astype(np.uint8)
+    low, mid, top = q[..., 0:4], q[..., 4:8], q[..., 8:12]
+    scales = np.concatenate([low & 63, (top & 15) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([mid & 63, (top >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """A Q4_K/Q5_K super-block's 128 code bytes -> its 256 low nibbles: in
+    each 64 inputs, the 32 low nibbles of 32 bytes, then their high ones."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 32)
+    return np.stack([chunks & 0x0F, chunks >> 4], axis=-2).reshape(*qs.shape[:-1], 256)
+
+
+def _pack_k_common(blocks, rows, cols, codes_at):
+    scales, mins = k_scales_and_mins(blocks[..., 4:16])
+    return {
+        "codes": nibble_words(_k_nibbles(blocks[..., codes_at : codes_at + 128]).reshape(rows, cols)),
+        "sub_scales": scales.reshape(rows, cols // 32),
+        "sub_mins": mins.reshape(rows, cols // 32),
+        "super_scales": _f16_field(blocks, 0),
+        "super_mins": _f16_field(blocks, 2),
+    }
+
+
+def _pack_q4_k(blocks, rows, cols):
+    return _pack_k_common(blocks, rows, cols, 16)
+
+
+def _pack_q5_k(blocks, rows, cols):
+    out = _pack_k_common(blocks, rows, cols, 48)
+    # qh byte l holds, in bit 2c, the fifth bit of input 64c + l and, in bit
+    # 2c + 1, that of input 64c + 32 + l
+    qh = blocks[..., 16:48]
+    bits = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (…, 8, 32)
+    out["high"] = _one_bit_words(bits.reshape(rows, cols))
+    return out
+
+
+def _pack_q6_k(blocks, rows, cols):
+    # block: ql[128], qh[64], int8 scales[16], f16 d; each half of 128
+    # inputs takes 64 bytes of ql and 32 of qh: input 32g + l of the half
+    # is nibble (g >= 2) of ql[32·(g % 2) + l] with bits 2g..2g+1 of qh[l]
+    ql = blocks[..., 0:128].reshape(*blocks.shape[:-1], 2, 2, 32)
+    qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)  # (…, 2 halves, 4 groups, 32)
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    return {
+        "codes": nibble_words(low.reshape(rows, cols)),
+        "high": _two_bit_words(high.reshape(rows, cols)),
+        "sub_scales": blocks[..., 192:208].view(np.int8).reshape(rows, cols // 16),
+        "super_scales": _f16_field(blocks, 208),
+    }
+
+
+_SCALE = Part("scales", "float16", 32)
+_MIN = Part("mins", "float16", 32)
+_NIBBLES = Part("codes", "uint32", 8)
+_K_PARTS = (
+    Part("sub_scales", "uint8", 32),
+    Part("sub_mins", "uint8", 32),
+    Part("super_scales", "float16", 256),
+    Part("super_mins", "float16", 256),
+)
+
+#: the packed formats, by name
+FORMATS: dict[str, WeightFormat] = {
+    f.name: f
+    for f in (
+        WeightFormat("q8_0", Q.Q8_0, 32, (Part("codes", "int8", 1), _SCALE), _value_q8_0, _pack_q8_0),
+        WeightFormat("q4_0", Q.Q4_0, 32, (_NIBBLES, _SCALE), _value_q4_0, _pack_q4_0),
+        WeightFormat("q4_1", Q.Q4_1, 32, (_NIBBLES, _SCALE, _MIN), _value_q4_1, _pack_q4_1),
+        WeightFormat(
+            "q5_0", Q.Q5_0, 32, (_NIBBLES, Part("high", "uint32", 32), _SCALE), _value_q5_0, _pack_q5_0
+        ),
+        WeightFormat(
+            "q5_1",
+            Q.Q5_1,
+            32,
+            (_NIBBLES, Part("high", "uint32", 32), _SCALE, _MIN),
+            _value_q5_1,
+            _pack_q5_1,
+        ),
+        WeightFormat("q4_k", Q.Q4_K, 256, (_NIBBLES, *_K_PARTS), _value_q4_k, _pack_q4_k),
+        WeightFormat(
+            "q5_k", Q.Q5_K, 256, (_NIBBLES, Part("high", "uint32", 32), *_K_PARTS), _value_q5_k, _pack_q5_k
+        ),
+        WeightFormat(
+            "q6_k",
+            Q.Q6_K,
+            256,
+            (
+                _NIBBLES,
+                Part("high", "uint32", 16),
+                Part("sub_scales", "int8", 16),
+                Part("super_scales", "float16", 256),
+            ),
+            _value_q6_k,
+            _pack_q6_k,
+        ),
+    )
+}
+
+#: the format a GGML type runs in, for the packed types
+FORMAT_OF_TYPE = {f.ggml_type: f.name for f in FORMATS.values()}
+
+
+def pack_blocks(raw: np.ndarray, rows: int, cols: int, fmt: str) -> dict[str, np.ndarray]:
+    """An (out, in) matrix's GGML blocks (uint8 bytes) as `fmt`'s parts."""
+    spec = FORMATS[fmt]
+    _, block_bytes = gguf.GGML_QUANT_SIZES[spec.ggml_type]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // spec.block, block_bytes)
+    return spec.pack(blocks, rows, cols)
+
+
+def unpack_values(parts: dict[str, np.ndarray], fmt: str) -> np.ndarray:
+    """The float32 values packed parts stand for, computed in numpy as the
+    kernels compute them (for tests and for reading a packed tensor whole)."""
+    spec = FORMATS[fmt]
+    rows = parts["codes"].shape[0]
+    cols = parts["codes"].shape[1] * next(p.per for p in spec.parts if p.name == "codes")
+    k = np.arange(cols)
+
+    def load(name):
+        per = next(p.per for p in spec.parts if p.name == name)
+        return _NumpyExpr(parts[name][:, k // per])
+
+    return np.asarray(spec.value(load, _NumpyExpr(k)).array, dtype=np.float32).reshape(rows, cols)
+
+
+class _NumpyExpr:
+    """Just enough of TIR's expression interface to evaluate a format's
+    `value` over numpy arrays, with TIR's dtypes (uint32 shifts, float32
+    arithmetic)."""
+
+    def __init__(self, array) -> None:
+        self.array = np.asarray(array)
+
+    @staticmethod
+    def _of(other):
+        if isinstance(other, _NumpyExpr):
+            return other.array
+        if isinstance(other, (tirx.IntImm, tirx.FloatImm)):
+            return np.array(other.value, dtype=str(other.ty))
+        return other
+
+    def astype(self, dtype):
+        return _NumpyExpr(self.array.astype(dtype))
+
+    def _op(self, other, fn):
+        return _NumpyExpr(fn(self.array, self._of(other)))
+
+    def __rshift__(self, o):
+        return self._op(o, np.right_shift)
+
+    def __lshift__(self, o):
+        return self._op(o, np.left_shift)
+
+    def __and__(self, o):
+        return self._op(o, np.bitwise_and)
+
+    def __or__(self, o):
+        return self._op(o, np.bitwise_or)
+
+    def __mod__(self, o):
+        return self._op(o, np.mod)
+
+    def __mul__(self, o):
+        return self._op(o, np.multiply)
+
+    def __add__(self, o):
+        return self._op(o, np.add)
+
+    def __sub__(self, o):
+        return self._op(o, np.subtract)
