@@ -43,6 +43,16 @@ LOGIT_TOLERANCE = 5e-3
 #: in float16), and by 3.1 with the window ignored
 TOLERANCE = {"gemma3": 1e-2, "gemma3-window-2048": 1e-2}
 
+#: The quantized cases: llama.cpp's quantized matmuls round the activations
+#: to 8 bits (Q8_K / Q8_0 blocks) before multiplying, lockgate multiplies
+#: float32 activations by the exact dequantized weights. Against a float64
+#: evaluation of the same dequantized weights (tests/reference_model.py),
+#: llama.cpp's top logits (std 1.6-3.2) were off by up to 0.114 when
+#: recorded, lockgate's by under 2e-3 (`test_model_families`); the greedy
+#: steps are compared where llama.cpp's margin exceeds twice this.
+for _name in ("llama-q4_k_m", "llama-q5_k_m", "qwen2-q6_k", "qwen2-small-q4_k_m"):
+    TOLERANCE[_name] = 0.15
+
 
 @pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory) -> pathlib.Path:
@@ -76,7 +86,7 @@ def test_family_agrees_with_llama_cpp(name, tmp_path, compile_cache):
         step = ex.prefill_chunk_size  # chunked as the engine would (Gemma 3: its window)
         for start in range(0, len(prompt), step):
             logits = ex.prefill([0], [prompt[start : start + step]])[0]
-        worst = 0.0
+        worst, compared = 0.0, 0
         for step, (want, margin, top) in enumerate(
             zip(golden["greedy_ids"], golden["margins"], golden["top_logits"])
         ):
@@ -85,7 +95,9 @@ def test_family_agrees_with_llama_cpp(name, tmp_path, compile_cache):
             worst = max(worst, float(np.abs(logits[ids] - theirs).max()))
             if margin > 2 * tolerance:
                 assert int(logits.argmax()) == want, f"step {step}: llama.cpp chose {want} by {margin:.3f}"
+                compared += 1
             logits = ex.decode([0], [want])[0]
         assert worst < tolerance, f"top logits differ from llama.cpp's by up to {worst:.4f}"
+        assert compared >= 25, f"only {compared} of the greedy steps were clear enough to compare"
     finally:
         ex.close()

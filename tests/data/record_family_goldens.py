@@ -5,7 +5,9 @@ Run with a Python that has llama-cpp-python 0.3.36 (built once from its
 sdist, e.g. `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
 -DGGML_F16C=ON" pip install llama-cpp-python==0.3.36`) and gguf:
 
-    python tests/data/record_family_goldens.py [OUT.json]
+    python tests/data/record_family_goldens.py [OUT.json [CASE ...]]
+
+(with CASEs named, only those are recorded again; the others are kept)
 
 For each case it writes the tiny GGUF with `tests/tiny_model.py`, evaluates
 the prompt, then takes 40 greedy steps (argmax of llama.cpp's logits, end
@@ -27,7 +29,7 @@ import numpy as np
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from tiny_model import write_tiny_gguf  # noqa: E402
+from tiny_model import KQUANT_CONFIG, Q4_K_M, Q5_K_M, write_tiny_gguf  # noqa: E402
 
 #: Llama 3.1's factors at the tiny head size (see test_model_families)
 LLAMA3_FACTORS = [1.0, 1.0, 1.0, 1.6, 3.2, 8.0, 8.0, 8.0]
@@ -50,6 +52,23 @@ CASES = {
     "qwen3": ({"architecture": "qwen3", "qk_norm": True, "head_dim": 32, "rope_theta": 1000000.0}, 24, 40),
     "gemma3": (dict(GEMMA3, sliding_window=16), 24, 40),
     "gemma3-window-2048": (GEMMA3, 2048, 40),
+    # the quantizations people download, on shapes of whole K-quant blocks
+    "llama-q4_k_m": (KQUANT_CONFIG, 24, 40),
+    "llama-q5_k_m": (KQUANT_CONFIG, 24, 40),
+    "qwen2-q6_k": (dict(KQUANT_CONFIG, architecture="qwen2", attention_bias=True), 24, 40),
+    # a small model's Q4_K_M: rows too short for K-quants fall back to Q5_0/Q8_0
+    "qwen2-small-q4_k_m": ({"architecture": "qwen2", "attention_bias": True}, 24, 40),
+}
+
+#: the weights' GGML types of a case: (type of the 2-D weights, per-tensor
+#: types over it); the others are F16
+TYPES = {
+    "llama-q4_k_m": ("Q4_K", Q4_K_M),
+    "llama-q5_k_m": ("Q5_K", Q5_K_M),
+    "qwen2-q6_k": ("Q6_K", {}),
+    "qwen2-small-q4_k_m": (
+        "Q5_0", {"attn_v.weight": "Q8_0", "ffn_down.weight": "Q8_0", "output.weight": "Q8_0"}
+    ),
 }
 
 #: every case has its own LM head: with tied embeddings a random model's
@@ -63,8 +82,13 @@ TOP = 8
 
 def write_case(directory: pathlib.Path, name: str) -> pathlib.Path:
     overrides, _, _ = CASES[name]
+    tensor_type, tensor_types = TYPES.get(name, (TENSOR_TYPE, {}))
     return write_tiny_gguf(
-        directory / f"{name}.gguf", tensor_type=TENSOR_TYPE, seed=SEED, **COMMON, **overrides
+        directory / f"{name}.gguf",
+        tensor_type=tensor_type,
+        tensor_types=tensor_types,
+        seed=SEED,
+        **{**COMMON, **overrides},
     )
 
 
@@ -109,10 +133,12 @@ def main() -> None:
     import llama_cpp
 
     out = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "family_goldens.json"
+    previous = json.loads(out.read_text())["cases"] if out.exists() else {}
+    only = sys.argv[2:]  # case names to record again; the others are kept
     result = {
         "how": (
-            f"llama-cpp-python {llama_cpp.__version__} (AVX2 build), tiny {TENSOR_TYPE} models from "
-            f"tests/tiny_model.py (seed {SEED}), prompt evaluated at once, then greedy argmax steps "
+            f"llama-cpp-python {llama_cpp.__version__} (AVX2 build), tiny {TENSOR_TYPE} models "
+            f"(the quantized cases: the types of TYPES) from tests/tiny_model.py (seed {SEED}), prompt evaluated at once, then greedy argmax steps "
             f"over the last logits, end of turn not a stop; margins[i] = top1 - top2 logit; "
             f"top_logits[i] = llama.cpp's {TOP} largest logits as [id, logit]"
         ),
@@ -120,6 +146,9 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         for name in CASES:
+            if only and name not in only and name in previous:
+                result["cases"][name] = previous[name]
+                continue
             result["cases"][name] = record(name, write_case(pathlib.Path(tmp), name))
             print(name, result["cases"][name]["greedy_ids"][:10], file=sys.stderr)
     out.write_text(json.dumps(result, indent=1) + "\n")
