@@ -179,3 +179,34 @@ def test_q4_k_m_runs_packed_and_exact(q4_k_m_file, tmp_path):
         assert np.std(want) > 0.5
     finally:
         ex.close()
+
+
+async def test_health_reports_the_weight_formats(tiny_model, make_client):
+    """`/health` says, per model, what its weight matrices run as: the
+    tiny model's float32 matrices, tensor by tensor (q, k, v, o, gate, up,
+    down in each of 2 layers, and the tied head), at their file size."""
+    client = await make_client(tiny_model)
+    health = await client.get("/health")
+    assert health.status == 200
+    weights = (await health.json())["models"]["tiny"]["weights"]
+    assert weights["widened"] == []
+    [row] = weights["formats"]
+    assert row["format"] == "f32" and row["tensors"] == 2 * 7 + 1
+    assert row["bytes"] == row["file_bytes"] > 0
+
+
+def test_widened_types_are_reported(tmp_path):
+    """A type no kernel reads (BF16) is named in the report's "widened",
+    with what it costs."""
+    from lockgate.models.gguf_metadata import GGUFMetadata
+    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
+    from lockgate.plugins.tvm.weights import describe_load_report, linear_formats, load_report
+
+    path = write_tiny_gguf(tmp_path / "bf16.gguf", tensor_type="BF16")
+    tensors = GGUFTensors(path)
+    config = ModelConfig.from_gguf(GGUFMetadata(path))
+    report = load_report(tensors, config, linear_formats(tensors, config))
+    assert [row["format"] for row in report["formats"]] == ["f16"]
+    assert {row["type"] for row in report["widened"]} == {"BF16"}
+    assert "blk.0.attn_q.weight" in {row["tensor"] for row in report["widened"]}
+    assert "f16 15 tensors" in describe_load_report(report)

@@ -6,7 +6,7 @@ KV cache's GPU kernels, CUDA graphs, host code) short of running it, from
 the generated source. They need no CUDA toolkit: nvcc is never run here.
 
 The Llama-3.2-1B-shape tests compile from the config alone (no weights), in
-float16 and with Q4_0 weights, and check what the issue asks of the CUDA
+float16 and with a mix of every packed format, and check what the issue asks of the CUDA
 path: weights arrive as half or packed integers, every matmul is scheduled
 by a matmul rule (GEMV for batch-1 decode, LowBatchGEMV for batched decode,
 Matmul for prefill), prefill matmuls tile through shared memory, no kernel
@@ -71,6 +71,37 @@ def _q4_formats(config: ModelConfig) -> dict[str, str]:
     return formats
 
 
+def _mixed_formats(config: ModelConfig) -> dict[str, str]:
+    """Every packed kind in one compile: Q4_K_M's Q/K in Q4_K with V in
+    Q6_K (split), Q4_K gate/up, down projections alternating Q6_K and Q4_0,
+    a small model's Q5_0 output projections, and a Q8_0 head."""
+    formats = {"lm_head": "q8_0"}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        formats[p + "self_attn.qkv_proj"] = "q4_k,q4_k,q6_k"
+        formats[p + "self_attn.o_proj"] = "q5_0"
+        formats[p + "mlp.gate_up_proj"] = "q4_k"
+        formats[p + "mlp.down_proj"] = "q6_k" if i % 2 else "q4_0"
+    return formats
+
+
+def _q4_k_m_formats(config: ModelConfig) -> dict[str, str]:
+    """llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for V and down projections in
+    half the layers (its "more bits" layers, roughly) and for the head."""
+    formats = {"lm_head": "q6_k", "embed_tokens": "q4_k"}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        more = i % 2 == 0
+        formats[p + "self_attn.qkv_proj"] = "q4_k,q4_k,q6_k" if more else "q4_k"
+        formats[p + "self_attn.o_proj"] = "q4_k"
+        formats[p + "mlp.gate_up_proj"] = "q4_k"
+        formats[p + "mlp.down_proj"] = "q6_k" if more else "q4_k"
+    return formats
+
+
+WEIGHT_FORMATS = {"f16": lambda config: {}, "mixed": _mixed_formats}
+
+
 def _kernels(library: pathlib.Path) -> dict[str, tuple[str, str]]:
     """Kernel name -> (parameter list, source up to the next kernel)."""
     blob = library.read_bytes().decode("latin-1")
@@ -100,7 +131,7 @@ def _weight_bytes(config: ModelConfig, formats: dict[str, str]) -> int:
         count = 1
         for dim in param.shape:
             count *= int(dim)
-        total += count * {"float16": 2, "float32": 4, "uint32": 4, "int8": 1}[str(param.dtype)]
+        total += count * {"float16": 2, "float32": 4, "uint32": 4, "int8": 1, "uint8": 1}[str(param.dtype)]
     return total
 
 
@@ -150,12 +181,12 @@ def cache_1b(tmp_path_factory):
     return tmp_path_factory.mktemp("cache-1b")
 
 
-@pytest.mark.parametrize("weights", ["f16", "q4_0"])
+@pytest.mark.parametrize("weights", sorted(WEIGHT_FORMATS))
 def test_llama_1b_shape_for_sm90(weights, cache_1b):
     from lockgate.plugins.tvm.compile import as_target, compile_model
     from lockgate.plugins.tvm.schedules import tensorize_works
 
-    formats = _q4_formats(LLAMA_3_2_1B) if weights == "q4_0" else {}
+    formats = WEIGHT_FORMATS[weights](LLAMA_3_2_1B)
     compiled = compile_model(LLAMA_3_2_1B, as_target(SM90), cache_1b, formats=formats, max_batch=64)
     schedules = compiled.schedules
 
@@ -175,12 +206,14 @@ def test_llama_1b_shape_for_sm90(weights, cache_1b):
         assert rule in _MATMUL_RULES, (kernel, rule)
         # weights arrive as half or as packed integers, never float32
         pointers = re.findall(r"(\w[\w ]*?)\*\s*__restrict__\s*(\w+)", params)
-        weights_in = [t.strip() for t, name in pointers if re.search(r"_(weight|codes|scales)\d*_ptr$", name)]
+        weights_in = [
+            t.strip() for t, name in pointers if re.search(r"_(weight|codes|high|scales|mins)\d*_ptr$", name)
+        ]
         assert weights_in, (kernel, params)
         if weights == "f16":
             assert set(weights_in) == {"half"}, (kernel, params)
         else:
-            assert set(weights_in) <= {"half", "uint", "signed char"}, (kernel, params)
+            assert set(weights_in) <= {"half", "uint", "signed char", "uchar"}, (kernel, params)
             assert {"uint", "signed char"} & set(weights_in), (kernel, params)
         if "num_tokens" in params:
             prefill += 1
@@ -210,9 +243,15 @@ def test_llama_1b_shape_for_sm90(weights, cache_1b):
         assert dtypes[layer + ".weight"] == "float16"
         assert dict(compiled.params)[layer + ".weight"] == (2 * 8192, 2048)
     else:
-        assert dtypes[layer + ".codes"] == "uint32" and dtypes[layer + ".scales"] == "float16"
-        assert dict(compiled.params)[layer + ".codes"] == (2 * 8192, 2048 // 8)
-        assert dtypes["lm_head.codes"] == "int8"
+        params = dict(compiled.params)
+        assert dtypes[layer + ".codes"] == "uint32" and dtypes[layer + ".sub_scales"] == "uint8"
+        assert params[layer + ".super_scales"] == (2 * 8192, 2048 // 256)
+        # Q/K (Q4_K) and V (Q6_K) as two packed parts, not one widened matrix
+        assert params["layers.0.self_attn.qkv_proj.part0.codes"] == ((32 + 8) * 64, 2048 // 8)
+        assert params["layers.0.self_attn.qkv_proj.part1.high"] == (8 * 64, 2048 // 16)
+        assert dtypes["layers.1.mlp.down_proj.sub_scales"] == "int8"  # Q6_K's
+        assert dtypes["layers.0.self_attn.o_proj.high"] == "uint32"  # Q5_0's fifth bits
+        assert dtypes["lm_head.codes"] == "int8" and dtypes["lm_head.scales"] == "float16"
 
 
 def test_weight_memory_of_8b_and_1b_shapes():
@@ -224,6 +263,11 @@ def test_weight_memory_of_8b_and_1b_shapes():
     # (0.56 GB), and the untied embedding table in float16 (1.05 GB)
     assert 5.0 * gib < q4_8b < 5.3 * gib, q4_8b / gib
     assert 14.5 * gib < f16_8b < 15.5 * gib, f16_8b / gib
+    # Q4_K_M as llama.cpp mixes it: a Llama-3-8B file holds 4.58 GiB; kept
+    # packed, the embedding table too (it used to be widened to about 15 GB
+    # plus a float32 table)
+    q4_k_m_8b = _weight_bytes(LLAMA_3_1_8B, _q4_k_m_formats(LLAMA_3_1_8B))
+    assert 4.4 * gib < q4_k_m_8b < 4.58 * gib * 1.05, q4_k_m_8b / gib
     q4_1b = _weight_bytes(LLAMA_3_2_1B, _q4_formats(LLAMA_3_2_1B))
     f16_1b = _weight_bytes(LLAMA_3_2_1B, {})
     assert 2.2 * gib < f16_1b < 2.4 * gib, f16_1b / gib
