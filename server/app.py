@@ -126,8 +126,18 @@ def load_from_settings(pm: pluggy.PluginManager, settings: Settings) -> Model:
     return load_model_from_settings(pm, settings, progress=progress)
 
 
+def serving_process() -> None:
+    """What a process started to serve sets up before it loads a model:
+    TVM's runtime library without its compiler
+    (`lockgate.plugins.tvm.prefer_runtime_library`)."""
+    from lockgate.plugins.tvm import prefer_runtime_library
+
+    prefer_runtime_library()
+
+
 def app_from_env() -> web.Application:
     """Logging and settings from the environment (for gunicorn)."""
+    serving_process()
     settings = Settings.from_env()
     configure_logging(settings.log_format, settings.log_level)
     return create_app(settings)
@@ -136,6 +146,7 @@ def app_from_env() -> web.Application:
 def init_app(argv: list[str] | None = None) -> web.Application:
     """Entry for `python -m aiohttp.web ... lockgate.server.app:init_app [flags]`:
     extra flags are those of `lockgate serve` (host and port belong to aiohttp)."""
+    serving_process()
     args = serve_parser().parse_args(argv or [])
     settings = settings_from_args(args)
     configure_logging(settings.log_format, settings.log_level)

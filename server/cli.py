@@ -27,7 +27,9 @@ def serve(settings: Settings, pm: pluggy.PluginManager | None = None) -> None:
     if they lose patience).
     """
     from lockgate.logging import configure_logging
+    from lockgate.server.app import serving_process
 
+    serving_process()
     configure_logging(settings.log_format, settings.log_level)
     # Should native code ever crash the process despite the limits on what
     # reaches it, the crash leaves every thread's Python stack on stderr

@@ -333,6 +333,53 @@ def test_second_start_reuses_compiled_library(tiny_files, tmp_path):
         second.close()
 
 
+_RUNTIME_ONLY_START = """
+import json, pathlib, sys
+sys.path.insert(0, {tests!r})
+from test_tvm_executor import PROMPT, make_executor
+results = []
+for _ in range(2):
+    ex = make_executor(pathlib.Path({model!r}), pathlib.Path({cache!r}))
+    ex.add_sequence(0)
+    results.append({{"cached": ex.compiled.cached, "logits": ex.prefill([0], [PROMPT])[0].tolist()}})
+    ex.close()
+import tvm
+maps = open("/proc/self/maps").read()
+print(json.dumps({{"runtime_only": tvm.base._RUNTIME_ONLY, "compiler": "libtvm_compiler" in maps, "runs": results}}))
+"""
+
+
+def test_runtime_only_process_compiles_in_a_child_and_runs_the_cached_library(executor, tiny_files, tmp_path):
+    """A serving process imports TVM's runtime alone (`TVM_USE_RUNTIME_LIB=1`,
+    as `lockgate serve` sets): a missing library is built in a child process,
+    a cached one is found without the compiler, and either runs as here."""
+    import json
+    import os
+    import subprocess
+
+    script = _RUNTIME_ONLY_START.format(
+        tests=str(pathlib.Path(__file__).parent), model=str(tiny_files["F32"]), cache=str(tmp_path)
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TVM_USE_RUNTIME_LIB": "1"},
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["runtime_only"] and not found["compiler"]
+    assert [run["cached"] for run in found["runs"]] == [False, True]
+    executor.add_sequence(90)
+    try:
+        here = executor.prefill([90], [PROMPT])[0]
+    finally:
+        executor.remove_sequence(90)
+    for run in found["runs"]:
+        np.testing.assert_array_equal(np.asarray(run["logits"], dtype=np.float32), here)
+
+
 def test_weight_errors_are_model_load_errors(tiny_files):
     from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
     from lockgate.plugins.tvm.weights import iter_gguf_weights

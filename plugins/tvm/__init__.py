@@ -7,6 +7,9 @@ registers a factory and declares the families (their networks are named as
 
 from __future__ import annotations
 
+import os
+import sys
+
 from lockgate.models.families import ModelFamilies, ModelFamily
 from lockgate.plugin_api.hookspecs import hookimpl
 
@@ -55,6 +58,20 @@ BUILTIN_FAMILIES = (
 def builtin_families() -> ModelFamilies:
     """The built-in families, for callers that have no plugin manager."""
     return ModelFamilies(BUILTIN_FAMILIES)
+
+
+def prefer_runtime_library() -> bool:
+    """Make this process's first `import tvm` load TVM's runtime library
+    alone, for a process that serves: running a compiled library never needs
+    the compiler, whose library costs about 107 MiB of resident memory; a
+    library missing from the compile cache is built in a child process
+    (`libraries`). Nothing changes when TVM is imported already or
+    `TVM_USE_RUNTIME_LIB` is set (`TVM_USE_RUNTIME_LIB=0` keeps the compiler
+    in the process, for a plugin that compiles). True when it was set."""
+    if "tvm" in sys.modules or "TVM_USE_RUNTIME_LIB" in os.environ:
+        return False
+    os.environ["TVM_USE_RUNTIME_LIB"] = "1"
+    return True
 
 
 def create_executor(model_file, options):

@@ -6,7 +6,6 @@ keep the library in the compile cache (`compile_cache.py`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import json
 import pathlib
@@ -18,7 +17,7 @@ from tvm.target import Target
 
 from lockgate.models.config import ModelConfig
 from lockgate.plugins.tvm.compile_cache import cache_key as _library_key
-from lockgate.plugins.tvm.compile_cache import default_cache_dir, write_atomically
+from lockgate.plugins.tvm.compile_cache import MODEL_SOURCES, CompiledModel, default_cache_dir, write_atomically
 from lockgate.plugins.tvm.pipelines import cpu_pipeline, cuda_pipeline
 from lockgate.plugins.tvm.schedules import tensorize_works
 
@@ -53,13 +52,6 @@ def as_target(target: Target | dict | str) -> Target:
     return resolve_target(target)
 
 
-#: the plugin's sources every model library is compiled from (the family's
-#: own module is added per network)
-_SOURCE_FILES = (
-    "layers.py", "formats.py", "decoder.py", "rope.py", "kernels.py", "schedules.py", "pipelines.py", "compile.py",
-)
-
-
 def cache_key(
     config: ModelConfig,
     target: Target,
@@ -85,7 +77,7 @@ def cache_key(
     }
     if target.kind.name == "cuda":
         description["max_batch"] = max_batch
-    sources = [here / name for name in _SOURCE_FILES]
+    sources = [here / name for name in MODEL_SOURCES]
     sources.append(pathlib.Path(inspect.getsourcefile(network)))
     return _library_key(description, sources)
 
@@ -95,24 +87,6 @@ def default_network() -> type:
     from lockgate.plugins.tvm.families.llama import LlamaForCausalLM
 
     return LlamaForCausalLM
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledModel:
-    """A compiled library on disk and the parameters it expects."""
-
-    library: pathlib.Path
-    #: (name, shape) of each parameter, in the order the functions take them
-    params: list[tuple[str, tuple[int, ...]]]
-    target: Target
-    #: True when the library came from the cache rather than a fresh compile
-    cached: bool
-    #: storage format of each linear module's weight (`weights.linear_formats`)
-    formats: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: dtype of each parameter
-    dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: on CUDA, the rule that scheduled each TIR function (`cuda_rules`)
-    schedules: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 #: the decode batch's upper bound on CUDA when the caller names none

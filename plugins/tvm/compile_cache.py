@@ -10,6 +10,7 @@ concurrent starts never read half a file.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,7 +18,13 @@ import pathlib
 import tempfile
 from collections.abc import Callable, Iterable
 
-import tvm
+#: the plugin's sources every model library is compiled from (the network's
+#: own module is added per network)
+MODEL_SOURCES = (
+    "layers.py", "formats.py", "decoder.py", "rope.py", "kernels.py", "schedules.py", "pipelines.py", "compile.py",
+)
+#: the sources the sampler's library is compiled from
+SAMPLER_SOURCES = ("sampler_kernels.py", "schedules.py", "pipelines.py")
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -32,6 +39,7 @@ def cache_key(description: dict, sources: Iterable[pathlib.Path]) -> str:
     """Hash of everything a compiled library depends on: `description`
     (JSON-able), the bytes of each source file, and the tvm and
     apache-tvm-ffi versions."""
+    import tvm
     import tvm_ffi
 
     h = hashlib.sha256()
@@ -56,3 +64,23 @@ def write_atomically(path: pathlib.Path, write: Callable[[str], None], suffix: s
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledModel:
+    """A compiled library on disk and the parameters it expects."""
+
+    library: pathlib.Path
+    #: (name, shape) of each parameter, in the order the functions take them
+    params: list[tuple[str, tuple[int, ...]]]
+    #: the TVM target it was compiled for (its text when found without
+    #: TVM's compiler, `libraries.model_library`)
+    target: object
+    #: True when the library came from the cache rather than a fresh compile
+    cached: bool
+    #: storage format of each linear module's weight (`weights.linear_formats`)
+    formats: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: dtype of each parameter
+    dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: on CUDA, the rule that scheduled each TIR function (`cuda_rules`)
+    schedules: dict[str, str] = dataclasses.field(default_factory=dict)

@@ -91,11 +91,10 @@ class TVMExecutor(Executor):
         _set_num_threads(options.num_threads)
 
         import tvm
-        from tvm import relax
+        from tvm.runtime.vm import VirtualMachine
         from tvm_ffi import Shape
 
-        from lockgate.plugins.tvm.compile import compile_model, resolve_target
-        from lockgate.plugins.tvm.kernels import PAGE_SIZE
+        from lockgate.plugins.tvm.libraries import model_library, target_kind
         from lockgate.plugins.tvm.weights import (
             QuantizedAtLoad,
             describe_load_report,
@@ -108,7 +107,9 @@ class TVMExecutor(Executor):
         self._Shape = Shape
         config = model_file.config
         self.config = config
-        target = resolve_target(options.target)
+        # the runtime alone answers this and finds a cached library: TVM's
+        # compiler is loaded only to build one (`libraries`)
+        kind = target_kind(options.target)
         tensors = _open_tensors(model_file)
         family = model_file.family
         if family is None:
@@ -120,7 +121,6 @@ class TVMExecutor(Executor):
         permuted_qk = family.permuted_qk and not os.path.isdir(model_file.path)
         if options.quantize:
             tensors = QuantizedAtLoad(tensors, options.quantize, config)
-        network = family.network("tvm")
         formats = linear_formats(tensors, config)
         self.load_report = load_report(tensors, config, formats)
         log.info("weight formats", formats=describe_load_report(self.load_report))
@@ -132,15 +132,15 @@ class TVMExecutor(Executor):
                 tensors=", ".join(f"{row['tensor']} ({row['type']})" for row in widened),
                 extra_mib=round(extra / (1 << 20), 1),
             )
-        cuda = target.kind.name == "cuda"
-        self.compiled = compile_model(
+        cuda = kind == "cuda"
+        self.compiled, facts = model_library(
             config,
-            target,
+            kind,
             options.cache_dir,
             options.progress,
             formats,
-            max_batch=options.max_num_seqs if cuda else None,
-            network=network,
+            options.max_num_seqs if cuda else None,
+            family.networks.get("tvm") or family.network("tvm"),
         )
         self.device = tvm.cuda(0) if cuda else tvm.cpu(0)
 
@@ -167,8 +167,8 @@ class TVMExecutor(Executor):
         # shape it has seen (each batch size and prefill length): under varied
         # load that held ~230 MiB more than the plain allocator, which measured
         # no slower here. GPU allocations are costly, so CUDA keeps the pool.
-        memory_cfg = None if target.kind.name == "cuda" else "naive"
-        self._vm = relax.VirtualMachine(
+        memory_cfg = None if cuda else "naive"
+        self._vm = VirtualMachine(
             tvm.runtime.load_module(str(self.compiled.library)), self.device, memory_cfg=memory_cfg
         )
         self._embed = self._vm["embed"]
@@ -183,23 +183,23 @@ class TVMExecutor(Executor):
         self._end = f("vm.builtin.kv_state_end_forward")
         self._available_pages = f("vm.builtin.attention_kv_cache_get_num_available_pages")
 
-        self.page_size = PAGE_SIZE
+        page_size = self.page_size = facts["page_size"]
         self.max_num_seqs = options.max_num_seqs
         # a network may bound its chunks (Gemma 3: no longer than its window)
-        limit = getattr(network, "max_prefill_chunk", lambda _config: None)(config)
+        limit = facts["max_prefill_chunk"]
         self.prefill_chunk_size = min(options.prefill_chunk_size, limit or options.prefill_chunk_size)
-        self.shares_prefixes = getattr(network, "shares_prefixes", lambda _config: True)(config)
+        self.shares_prefixes = facts["shares_prefixes"]
         buckets = DECODE_BUCKETS if cuda else ()
         self._set_decode_buckets(buckets)
-        pages = math.ceil(options.max_total_tokens / PAGE_SIZE)
+        pages = math.ceil(options.max_total_tokens / page_size)
         # Padding sequences hold a page each during a step and none between
         # steps: those pages are kept out of what the engine sees as free.
         self._kv = self._vm["create_tir_paged_kv_cache"](
             Shape([options.max_num_seqs + self._max_pad]),
-            Shape([(pages + self._max_pad) * PAGE_SIZE]),
+            Shape([(pages + self._max_pad) * page_size]),
             # a decode batch past the buckets is one prefill of a token each
             Shape([max(self.prefill_chunk_size, options.max_num_seqs if buckets else 0)]),
-            Shape([PAGE_SIZE]),
+            Shape([page_size]),
         )
         self.total_pages = int(self._available_pages(self._kv)) - self._max_pad
         self.max_sequence_length = min(config.context_length, self.total_pages * self.page_size)
@@ -216,7 +216,7 @@ class TVMExecutor(Executor):
             self._progress("loading the sampler…")
             self._sampler = DeviceSampler(
                 self.vocab_size,
-                target,
+                kind,
                 self.device,
                 options.cache_dir if options.cache_dir is not None else default_cache_dir(),
             )

@@ -403,3 +403,19 @@ class _NumpyExpr:
 
     def __sub__(self, o):
         return self._op(o, np.subtract)
+
+
+def split_groups(fmt: str, out_sizes: tuple[int, ...]) -> list[tuple[int, str]]:
+    """A fused module's per-tensor formats ("q4_k,q4_k,q6_k", one per
+    tensor, as `weights.linear_formats` writes them) as (output size,
+    format) runs of equal format."""
+    fmts = fmt.split(",")
+    if len(fmts) != len(out_sizes):
+        raise ValueError(f"format {fmt!r} does not name one format per part of {out_sizes}")
+    groups: list[tuple[int, str]] = []
+    for size, part_fmt in zip(out_sizes, fmts):
+        if groups and groups[-1][1] == part_fmt:
+            groups[-1] = (groups[-1][0] + size, part_fmt)
+        else:
+            groups.append((size, part_fmt))
+    return groups

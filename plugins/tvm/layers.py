@@ -32,7 +32,7 @@ from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from lockgate.plugins.tvm.formats import FORMATS
+from lockgate.plugins.tvm.formats import FORMATS, split_groups
 
 #: the activation dtype on the CPU
 DTYPE = "float32"
@@ -272,22 +272,6 @@ class SplitLinear(nn.Module):
     def forward(self, x: Tensor, row_tile: int = 1, *args) -> Tensor:
         outs = [getattr(self, f"part{i}")(x, row_tile, *args) for i in range(self.parts)]
         return op.concat(outs, dim=-1)
-
-
-def split_groups(fmt: str, out_sizes: tuple[int, ...]) -> list[tuple[int, str]]:
-    """A fused module's per-tensor formats ("q4_k,q4_k,q6_k", one per
-    tensor, as `weights.linear_formats` writes them) as (output size,
-    format) runs of equal format."""
-    fmts = fmt.split(",")
-    if len(fmts) != len(out_sizes):
-        raise ValueError(f"format {fmt!r} does not name one format per part of {out_sizes}")
-    groups: list[tuple[int, str]] = []
-    for size, part_fmt in zip(out_sizes, fmts):
-        if groups and groups[-1][1] == part_fmt:
-            groups[-1] = (groups[-1][0] + size, part_fmt)
-        else:
-            groups.append((size, part_fmt))
-    return groups
 
 
 def linear(in_features: int, out_features: int, cpu: bool, fmt: str, parts: tuple[int, ...] = ()):

@@ -19,33 +19,43 @@ from collections.abc import Sequence
 import numpy as np
 
 import tvm
-from tvm import relax
-from tvm.target import Target
 
 from lockgate.engine.sampling import SamplingRow, TokenLogprob
-from lockgate.plugins.tvm.compile_cache import cache_key, write_atomically
-from lockgate.plugins.tvm.sampler_kernels import build_sampler
+from lockgate.plugins.tvm.compile_cache import SAMPLER_SOURCES, cache_key, write_atomically
 
 
+def compiled_sampler(vocab: int, target, cache_dir: pathlib.Path) -> pathlib.Path:
+    """The sampler's library for (vocab, target) in the compile cache in
+    `cache_dir`, compiled now when it is not there. Needs TVM's compiler."""
+    from lockgate.plugins.tvm.sampler_kernels import build_sampler
 
-#: the sources the sampler's library is compiled from
-_SOURCES = ("sampler_kernels.py", "schedules.py", "pipelines.py")
-
-
-def load_sampler(vocab: int, target: Target, cache_dir: pathlib.Path | None = None):
-    """The sampler's runtime module for (vocab, target): from the compile
-    cache in `cache_dir` when a library is there, else compiled now (and
-    stored there when a directory is given)."""
-    if cache_dir is None:
-        return build_sampler(vocab, target)
     cache_dir = pathlib.Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     here = pathlib.Path(__file__).parent
-    key = cache_key({"vocab": vocab, "target": str(target)}, [here / name for name in _SOURCES])
+    key = cache_key({"vocab": vocab, "target": str(target)}, [here / name for name in SAMPLER_SOURCES])
     library = cache_dir / f"lockgate-sampler-{key}.so"
     if not library.exists():
         write_atomically(library, build_sampler(vocab, target).export_library, ".so")
-    return tvm.runtime.load_module(str(library))
+    return library
+
+
+def load_sampler(vocab: int, target, cache_dir: pathlib.Path | None = None):
+    """The sampler's runtime module for (vocab, target): from the compile
+    cache in `cache_dir` when a library is there, else compiled now (and
+    stored there when a directory is given). `target` is a TVM `Target`,
+    or a kind ("llvm", "cuda"), which finds a cached library without TVM's
+    compiler (`libraries.sampler_library`)."""
+    if isinstance(target, str):
+        from lockgate.plugins.tvm.compile_cache import default_cache_dir
+        from lockgate.plugins.tvm.libraries import sampler_library
+
+        library = sampler_library(vocab, target, cache_dir if cache_dir is not None else default_cache_dir())
+        return tvm.runtime.load_module(str(library))
+    if cache_dir is None:
+        from lockgate.plugins.tvm.sampler_kernels import build_sampler
+
+        return build_sampler(vocab, target)
+    return tvm.runtime.load_module(str(compiled_sampler(vocab, target, cache_dir)))
 
 
 class DeviceSampler:
@@ -60,10 +70,12 @@ class DeviceSampler:
     logprobs).
     """
 
-    def __init__(self, vocab: int, target: Target, device, cache_dir: pathlib.Path | None = None) -> None:
+    def __init__(self, vocab: int, target, device, cache_dir: pathlib.Path | None = None) -> None:
+        from tvm.runtime.vm import VirtualMachine
+
         self.vocab = int(vocab)
         self.device = device
-        self._vm = relax.VirtualMachine(load_sampler(self.vocab, target, cache_dir), device)
+        self._vm = VirtualMachine(load_sampler(self.vocab, target, cache_dir), device)
         self._process = self._vm["process"]
         self._greedy = self._vm["greedy"]
         self._sample = self._vm["sample"]

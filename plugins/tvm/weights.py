@@ -28,9 +28,8 @@ import numpy as np
 
 from lockgate.errors import ModelLoadError
 from lockgate.models.config import ModelConfig
-from lockgate.plugins.tvm.formats import FORMATS, pack_blocks
+from lockgate.plugins.tvm.formats import FORMATS, pack_blocks, split_groups
 from lockgate.plugins.tvm.gguf_tensors import FORMAT_OF_TYPE, PLAIN_TYPES, TYPE_OF_FORMAT, GGUFTensors
-from lockgate.plugins.tvm.layers import split_groups
 
 def undo_rope_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
     """Invert llama.cpp's Q/K row permutation on an (out, in) matrix."""
