@@ -205,8 +205,9 @@ def _linear_arrays(
             if heads:
                 for key in piece:
                     piece[key] = undo_rope_permutation(piece[key], heads)
+        # one tensor's parts are its own new arrays: no copy to join them
         out = {
-            f"{module}.{key}": np.concatenate([p[key] for p in pieces], axis=0)
+            f"{module}.{key}": pieces[0][key] if len(pieces) == 1 else np.concatenate([p[key] for p in pieces], axis=0)
             for key in pieces[0]
         }
         return out if rows_layout else {name: array.T for name, array in out.items()}
@@ -228,6 +229,7 @@ def iter_gguf_weights(
     formats: dict[str, str] | None = None,
     gpu: bool = False,
     permuted_qk: bool = True,
+    contiguous: bool = True,
 ) -> Iterator[np.ndarray]:
     """The model's parameters as contiguous arrays, in the given order, one
     at a time, so a caller that copies each to a device never holds the
@@ -243,6 +245,10 @@ def iter_gguf_weights(
         packed codes with float16 scales, a float16 embedding table.
     :param permuted_qk: the file's Q/K rows are in llama.cpp's interleaved
         RoPE order (`ModelFamily.permuted_qk`) and are put back.
+    :param contiguous: False yields an array in its final layout but
+        possibly a strided view (a transposed, paneled weight), for a
+        caller that copies it into its destination in one pass anyway:
+        making it contiguous first is a second full copy of the weight.
     :raises ModelLoadError: a tensor is missing, mis-shaped or of a type that
         cannot be dequantized.
     """
@@ -276,7 +282,7 @@ def iter_gguf_weights(
             raise ModelLoadError(
                 f"parameter {name!r} has shape {list(array.shape)}, the model expects {list(shape)}"
             )
-        yield np.ascontiguousarray(array)
+        yield np.ascontiguousarray(array) if contiguous else array
         del array
         if release is not None:
             release()
