@@ -26,7 +26,6 @@ from typing import Any
 from urllib.parse import unquote
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
@@ -580,7 +579,11 @@ def _llg_tokenizer(tokenizer, eos_token_ids: Sequence[int] | None) -> llguidance
         llg_tokenizer = per_tokenizer.get(eos)
         if llg_tokenizer is None:
             # Under the lock on purpose: concurrent first requests wait for
-            # one build instead of each paying for their own.
+            # one build instead of each paying for their own. Imported here:
+            # it imports transformers (22 MiB resident, over a second), which a
+            # process that never builds a grammar tokenizer does without.
+            import llguidance.hf
+
             llg_tokenizer = llguidance.hf.from_tokenizer(
                 tokenizer,
                 eos_token=list(eos),
