@@ -65,7 +65,7 @@ def prefer_runtime_library() -> bool:
     alone, for a process that serves: running a compiled library never needs
     the compiler, whose library costs about 107 MiB of resident memory; a
     library missing from the compile cache is built in a child process
-    (`libraries`). Nothing changes when TVM is imported already or
+    (`compile_cache`). Nothing changes when TVM is imported already or
     `TVM_USE_RUNTIME_LIB` is set (`TVM_USE_RUNTIME_LIB=0` keeps the compiler
     in the process, for a plugin that compiles). True when it was set."""
     if "tvm" in sys.modules or "TVM_USE_RUNTIME_LIB" in os.environ:

@@ -114,7 +114,7 @@ class TVMExecutor(Executor):
         from tvm.runtime.vm import VirtualMachine
         from tvm_ffi import Shape
 
-        from lockgate.plugins.tvm.libraries import model_library, target_kind
+        from lockgate.plugins.tvm.compile_cache import model_library, target_kind
         from lockgate.plugins.tvm.weights import (
             QuantizedAtLoad,
             describe_load_report,
@@ -128,7 +128,7 @@ class TVMExecutor(Executor):
         config = model_file.config
         self.config = config
         # the runtime alone answers this and finds a cached library: TVM's
-        # compiler is loaded only to build one (`libraries`)
+        # compiler is loaded only to build one (`compile_cache`)
         kind = target_kind(options.target)
         tensors = _open_tensors(model_file)
         family = model_file.family

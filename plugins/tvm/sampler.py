@@ -44,10 +44,10 @@ def load_sampler(vocab: int, target, cache_dir: pathlib.Path | None = None):
     cache in `cache_dir` when a library is there, else compiled now (and
     stored there when a directory is given). `target` is a TVM `Target`,
     or a kind ("llvm", "cuda"), which finds a cached library without TVM's
-    compiler (`libraries.sampler_library`)."""
+    compiler (`compile_cache.sampler_library`)."""
     if isinstance(target, str):
         from lockgate.plugins.tvm.compile_cache import default_cache_dir
-        from lockgate.plugins.tvm.libraries import sampler_library
+        from lockgate.plugins.tvm.compile_cache import sampler_library
 
         library = sampler_library(vocab, target, cache_dir if cache_dir is not None else default_cache_dir())
         return tvm.runtime.load_module(str(library))
