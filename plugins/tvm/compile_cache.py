@@ -122,10 +122,40 @@ def compiler_loaded() -> bool:
     return not tvm.base._RUNTIME_ONLY
 
 
+_device_runtimes_tried = False
+
+
+def load_device_runtimes() -> None:
+    """Load TVM's CUDA runtime into a runtime-only process. `import tvm`
+    loads its device backends only with the compiler: without this, a
+    process under `TVM_USE_RUNTIME_LIB=1` sees no CUDA device at all. Where
+    CUDA is missing the library does not load, and nothing changes."""
+    global _device_runtimes_tried
+    import tvm
+    from tvm.base import _LOADED_LIBS
+
+    if _device_runtimes_tried or not tvm.base._RUNTIME_ONLY or "tvm_runtime_cuda" in _LOADED_LIBS:
+        return
+    _device_runtimes_tried = True
+    from tvm_ffi.libinfo import load_lib_ctypes
+
+    try:
+        _LOADED_LIBS["tvm_runtime_cuda"] = load_lib_ctypes(
+            package="tvm",
+            target_name="tvm_runtime_cuda",
+            extra_lib_paths=[pathlib.Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent],
+            mode="RTLD_LOCAL",
+        )
+    except (OSError, RuntimeError):
+        pass
+
+
 def target_kind(name: str) -> str:
     """`ExecutorOptions.target` as "llvm" or "cuda", asking the runtime
     only: "auto" is cuda when a CUDA device is present."""
     import tvm
+
+    load_device_runtimes()
 
     if name == "auto":
         return "cuda" if tvm.cuda().exist else "llvm"
