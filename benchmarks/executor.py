@@ -309,6 +309,13 @@ def measure(runner, vocab_size: int, decode_steps: int, repeats: int) -> dict[st
 
 def child(args) -> None:
     """Run one engine and print its figures as one JSON line."""
+    if args.child == "lockgate":
+        # as the server does: log lines to stderr, at info, so stdout holds
+        # the result alone (structlog unconfigured prints every level to
+        # stdout, from any thread, into the middle of the RESULT line)
+        from lockgate.logging import configure_logging
+
+        configure_logging(level="info")
     started = time.perf_counter()
     runner = RUNNERS[args.child](args.model, args.threads, args.total_tokens, args.cache_dir)
     out = {"start_s": time.perf_counter() - started, "RSS after load MiB": current_rss_mib()}

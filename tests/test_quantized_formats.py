@@ -210,3 +210,15 @@ def test_widened_types_are_reported(tmp_path):
     assert {row["type"] for row in report["widened"]} == {"BF16"}
     assert "blk.0.attn_q.weight" in {row["tensor"] for row in report["widened"]}
     assert "f16 15 tensors" in describe_load_report(report)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q6_k"])
+def test_large_matrices_repack_in_chunks_alike(fmt):
+    """A matrix of more rows than one repacking chunk (a vocabulary-sized
+    head) comes out as if repacked whole."""
+    from lockgate.plugins.tvm import formats
+
+    rows = formats._PACK_ROWS + 5
+    raw = random_blocks(fmt, rows, 256, seed=9)
+    want = gguf.quants.dequantize(raw, FORMATS[fmt].ggml_type).reshape(rows, 256)
+    np.testing.assert_array_equal(unpack_values(pack_blocks(raw, rows, 256, fmt), fmt), want.astype(np.float32))

@@ -335,12 +335,28 @@ FORMATS: dict[str, WeightFormat] = {
 FORMAT_OF_TYPE = {f.ggml_type: f.name for f in FORMATS.values()}
 
 
+#: rows repacked at a time: the unpacking's temporaries (codes widened to
+#: uint32 words, shifted) are several times the packed size, so a whole
+#: 128k-row head at once peaked at 3.6 GB for a 1B model of 0.9 GB
+_PACK_ROWS = 2048
+
+
 def pack_blocks(raw: np.ndarray, rows: int, cols: int, fmt: str) -> dict[str, np.ndarray]:
-    """An (out, in) matrix's GGML blocks (uint8 bytes) as `fmt`'s parts."""
+    """An (out, in) matrix's GGML blocks (uint8 bytes) as `fmt`'s parts,
+    repacked `_PACK_ROWS` rows at a time into the final arrays."""
     spec = FORMATS[fmt]
     _, block_bytes = gguf.GGML_QUANT_SIZES[spec.ggml_type]
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // spec.block, block_bytes)
-    return spec.pack(blocks, rows, cols)
+    if rows <= _PACK_ROWS:
+        return spec.pack(blocks, rows, cols)
+    out = {
+        part.name: np.empty((rows, cols // part.per), dtype=part.dtype) for part in spec.parts
+    }
+    for start in range(0, rows, _PACK_ROWS):
+        chunk = blocks[start : start + _PACK_ROWS]
+        for name, array in spec.pack(chunk, chunk.shape[0], cols).items():
+            out[name][start : start + chunk.shape[0]] = array
+    return out
 
 
 def unpack_values(parts: dict[str, np.ndarray], fmt: str) -> np.ndarray:
