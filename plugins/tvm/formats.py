@@ -7,13 +7,19 @@ value of element k of an output column as a TIR expression (`value`), which
 the CPU matmul (`layers.Linear`) and the CUDA one (`layers.GPULinear`) both
 inline into their reductions, so a weight is never stored widened.
 
-Every part is indexed along the input axis by `k // per`:
+Every part is indexed along the input axis by `k // per`, and the bits
+inside a word are ordered so that the CPU's 8-bit kernels (`int8_matmul.py`)
+find, in byte b of an output's word, the codes of four consecutive inputs
+(b = k % 4) side by side with their neighbours' words, 64 bytes for 16
+outputs, the shape of one VNNI dot product:
 
-* `codes`: 4-bit codes, eight to a uint32 word (code k in bits 4·(k % 8)
-  of word k // 8), or Q8_0's int8 codes, one per input;
-* `high`: the codes' extra high bits, packed in uint32 words: Q5's fifth bit
-  (bit k % 32 of word k // 32, which is GGML's own `qh` word) or Q6_K's two
-  top bits (bits 2·(k % 16) of word k // 16);
+* `codes`: 4-bit codes, eight to a uint32 word: code k in the low nibble of
+  byte k % 4 of word k // 8 when k % 8 < 4, in its high nibble otherwise;
+  or Q8_0's int8 codes, four to an int32 word (byte k % 4 of word k // 4);
+* `high`: the codes' extra high bits, in uint32 words: Q5's fifth bit (per
+  32 inputs, bit 2·(k % 32 // 8) + k % 8 // 4 of byte k % 4) or Q6_K's two
+  top bits (per 16 inputs, bits 2·(2·(k % 16 // 8) + k % 8 // 4) and up of
+  byte k % 4);
 * `scales`, `mins`: float16 per block of 32, as the file has them;
 * `sub_scales`, `sub_mins`: a K-quant's 6-bit (Q4_K, Q5_K) or int8 (Q6_K)
   scales per sub-block of 32 (16 for Q6_K), one byte each;
@@ -82,18 +88,31 @@ def _u32(value: int):
     return tirx.const(value, "uint32")
 
 
+def _byte_of(k):
+    """The bit where input k's byte starts in its word: byte k % 4."""
+    return k % 4 * 8
+
+
 def _nibble(load, k):
-    return (load("codes") >> (k % 8 * 4).astype("uint32")) & _u32(15)
+    shift = _byte_of(k) + k % 8 // 4 * 4
+    return (load("codes") >> shift.astype("uint32")) & _u32(15)
 
 
 def _five_bits(load, k):
-    high = (load("high") >> (k % 32).astype("uint32")) & _u32(1)
+    shift = _byte_of(k) + k % 32 // 8 * 2 + k % 8 // 4
+    high = (load("high") >> shift.astype("uint32")) & _u32(1)
     return _nibble(load, k) | (high << _u32(4))
 
 
 def _six_bits(load, k):
-    high = (load("high") >> (k % 16 * 2).astype("uint32")) & _u32(3)
+    shift = _byte_of(k) + (k % 16 // 8 * 2 + k % 8 // 4) * 2
+    high = (load("high") >> shift.astype("uint32")) & _u32(3)
     return _nibble(load, k) | (high << _u32(4))
+
+
+def _signed_byte(load, k):
+    """Q8_0's code k: byte k % 4 of an int32 word, as int8."""
+    return (load("codes") >> _byte_of(k).astype("int32")).astype("int8")
 
 
 def _centred(code, centre: int):
@@ -109,7 +128,7 @@ def _sub_min(load):
 
 
 def _value_q8_0(load, k):
-    return _f32(load("codes")) * _f32(load("scales"))
+    return _f32(_signed_byte(load, k)) * _f32(load("scales"))
 
 
 def _value_q4_0(load, k):
@@ -148,10 +167,22 @@ def _f16_field(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[..., at : at + 2].copy().view(np.float16)[..., 0]
 
 
+def _positions(bits_per_code: int, group: int) -> np.ndarray:
+    """The bit where each of `group` consecutive codes starts in their word
+    (the orders the module's docstring gives)."""
+    k = np.arange(group)
+    low = k % 4 * 8
+    if bits_per_code == 4:
+        return (low + k % 8 // 4 * 4).astype(np.uint32)
+    if bits_per_code == 1:
+        return (low + k // 8 * 2 + k % 8 // 4).astype(np.uint32)
+    return (low + (k // 8 * 2 + k % 8 // 4) * 2).astype(np.uint32)
+
+
 def nibble_words(codes: np.ndarray) -> np.ndarray:
     """(rows, cols) codes below 16 -> (rows, cols / 8) uint32 words."""
     rows, cols = codes.shape
-    shifts = np.arange(0, 32, 4, dtype=np.uint32)
+    shifts = _positions(4, 8)
     return np.bitwise_or.reduce(
         (codes.reshape(rows, cols // 8, 8).astype(np.uint32) & 15) << shifts, axis=-1
     )
@@ -160,7 +191,7 @@ def nibble_words(codes: np.ndarray) -> np.ndarray:
 def _two_bit_words(bits: np.ndarray) -> np.ndarray:
     """(rows, cols) values below 4 -> (rows, cols / 16) uint32 words."""
     rows, cols = bits.shape
-    shifts = np.arange(0, 32, 2, dtype=np.uint32)
+    shifts = _positions(2, 16)
     return np.bitwise_or.reduce(
         bits.reshape(rows, cols // 16, 16).astype(np.uint32) << shifts, axis=-1
     )
@@ -169,7 +200,7 @@ def _two_bit_words(bits: np.ndarray) -> np.ndarray:
 def _one_bit_words(bits: np.ndarray) -> np.ndarray:
     """(rows, cols) bits -> (rows, cols / 32) uint32 words."""
     rows, cols = bits.shape
-    shifts = np.arange(32, dtype=np.uint32)
+    shifts = _positions(1, 32)
     return np.bitwise_or.reduce(
         bits.reshape(rows, cols // 32, 32).astype(np.uint32) << shifts, axis=-1
     )
@@ -183,7 +214,7 @@ def _block_nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _pack_q8_0(blocks, rows, cols):
     return {
-        "codes": blocks[..., 2:].reshape(rows, cols).view(np.int8),
+        "codes": blocks[..., 2:].reshape(rows, cols).copy().view("<i4"),
         "scales": _f16_field(blocks, 0),
     }
 
@@ -205,7 +236,10 @@ def _pack_q4_1(blocks, rows, cols):
 
 def _qh_words(blocks: np.ndarray, at: int) -> np.ndarray:
     # GGML's qh: bit j of the little-endian word is input j's fifth bit
-    return blocks[..., at : at + 4].copy().view("<u4")[..., 0].astype(np.uint32)
+    qh = blocks[..., at : at + 4].copy().view("<u4")[..., 0]
+    rows, n_blocks = qh.shape
+    bits = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    return _one_bit_words(bits.reshape(rows, n_blocks * 32))
 
 
 def _pack_q5_0(blocks, rows, cols):
@@ -297,7 +331,7 @@ _K_PARTS = (
 FORMATS: dict[str, WeightFormat] = {
     f.name: f
     for f in (
-        WeightFormat("q8_0", Q.Q8_0, 32, (Part("codes", "int8", 1), _SCALE), _value_q8_0, _pack_q8_0),
+        WeightFormat("q8_0", Q.Q8_0, 32, (Part("codes", "int32", 4), _SCALE), _value_q8_0, _pack_q8_0),
         WeightFormat("q4_0", Q.Q4_0, 32, (_NIBBLES, _SCALE), _value_q4_0, _pack_q4_0),
         WeightFormat("q4_1", Q.Q4_1, 32, (_NIBBLES, _SCALE, _MIN), _value_q4_1, _pack_q4_1),
         WeightFormat(
@@ -330,6 +364,12 @@ FORMATS: dict[str, WeightFormat] = {
         ),
     )
 }
+
+#: the entry of a model's formats (`weights.linear_formats`, beside each
+#: module's format) that chooses how the CPU multiplies packed weights:
+#: "int8" (activations rounded to 8 bits, `int8_matmul`; the default where
+#: the CPU has AVX2) or "float32" (each weight dequantized; exact)
+CPU_ACTIVATIONS = "cpu_activations"
 
 #: the format a GGML type runs in, for the packed types
 FORMAT_OF_TYPE = {f.ggml_type: f.name for f in FORMATS.values()}
@@ -410,6 +450,12 @@ class _NumpyExpr:
 
     def __mod__(self, o):
         return self._op(o, np.mod)
+
+    def __floordiv__(self, o):
+        return self._op(o, np.floor_divide)
+
+    def __rsub__(self, o):
+        return _NumpyExpr(np.subtract(self._of(o), self.array))
 
     def __mul__(self, o):
         return self._op(o, np.multiply)

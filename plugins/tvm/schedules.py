@@ -214,8 +214,8 @@ class CPUMatmul(ScheduleRule):
 
     @staticmethod
     def _reads_quantized(sch: s_tir.Schedule, main) -> bool:
-        """True when the block reads packed codes (uint32 words or int8)."""
-        return any(str(region.source.dtype) in ("uint32", "int8") for region in sch.get(main.block_rv).reads)
+        """True when the block reads packed codes (uint32 or int32 words)."""
+        return any(str(region.source.dtype) in ("uint32", "int32") for region in sch.get(main.block_rv).reads)
 
     @staticmethod
     def _is_matmul(sch: s_tir.Schedule, main) -> bool:
