@@ -185,6 +185,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cpus_per_replica", float, 1.0,
             "CPUs Ray reserves for each replica (its executor threads are `--num-threads`)"),
     Setting("num_threads", int, None, "CPU threads for the executor", default_text="all cores"),
+    Setting("exact_matmul", bool, False,
+            "multiply quantized weights exactly on the CPU, each dequantized to float32 (2-7x slower); by "
+            "default activations are rounded to 8 bits per block of 32, as llama.cpp does, and integer dot "
+            "products (AVX2, AVX-512 VNNI) do the work"),
     Setting("device_sampling", bool, None,
             "choose tokens where the logits are, so only token ids (and requested logprobs) cross to the "
             "host; `--no-device-sampling` samples on the host with numpy",

@@ -34,18 +34,48 @@ def read_tensor(reader: gguf.GGUFReader, name: str) -> np.ndarray:
     return values.reshape(shape)
 
 
-def reference_logits(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
-    """Logits after every token, (len(tokens), vocab), in float64."""
+def int8_activations(h: np.ndarray) -> np.ndarray:
+    """h as the 8-bit matmuls see it: float32 rows cut into blocks of 32,
+    each rounded to int8 steps of its largest magnitude / 127."""
+    x = h.astype(np.float32).reshape(*h.shape[:-1], -1, 32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.round(x * inverse)
+    return (q * (amax / np.float32(127))).astype(np.float64).reshape(h.shape)
+
+
+def reference_logits(path: pathlib.Path, tokens: list[int], int8: bool = False) -> np.ndarray:
+    """Logits after every token, (len(tokens), vocab), in float64; with
+    `int8` the activations entering a quantized weight's matmul are rounded
+    as lockgate's 8-bit CPU kernels round them (`int8_activations`), and keys
+    and values to float16 as its KV cache holds them: a value's rounding
+    moves an attention output by up to 1/1000, enough to move one in 20 of
+    the 8-bit codes that follow by a step."""
     reader = gguf.GGUFReader(path)
     c = ModelConfig.from_gguf(reader)
     names = {t.name for t in reader.tensors}
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    unquantized = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
 
     def weight(name: str) -> np.ndarray:
         return read_tensor(reader, name)
 
+    def f16(values: np.ndarray) -> np.ndarray:
+        # lockgate's CPU attention takes Q, K and V in float16 and gives
+        # float16: modelled where the 8-bit rounding follows it
+        return _f16(values) if int8 else values
+
+    def matmul(h: np.ndarray, name: str) -> np.ndarray:
+        w = weight(name)
+        # the kernels take panels of 16 outputs (the tensors of a fused
+        # module together: the tiny models' Q, K and V are each whole panels)
+        if int8 and types[name] not in unquantized and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0:
+            h = int8_activations(h)
+        return h @ w.T
+
     gemma = c.architecture == "gemma3"
     embed = weight("token_embd.weight")
-    head = weight("output.weight") if "output.weight" in names else embed
+    head_name = "output.weight" if "output.weight" in names else "token_embd.weight"
     x = embed[tokens] * (np.sqrt(np.float32(c.hidden_size)) if gemma else 1.0)
     n, d, r = len(tokens), c.head_dim, c.rotary_dim
 
@@ -74,7 +104,7 @@ def reference_logits(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
         return out
 
     def project(h, p: str, part: str, heads: int):
-        y = h @ weight(f"{p}attn_{part}.weight").T
+        y = matmul(h, f"{p}attn_{part}.weight")
         if f"{p}attn_{part}.bias" in names:
             y = y + weight(f"{p}attn_{part}.bias")
         y = y.reshape(n, heads, d)
@@ -94,32 +124,38 @@ def reference_logits(path: pathlib.Path, tokens: list[int]) -> np.ndarray:
             theta, scale = c.rope_local_theta or 10000.0, 1.0
         cos, sin = rotation(theta, scale)
         h = rms(x, weight(p + "attn_norm.weight"))
-        q = rope(project(h, p, "q", c.num_heads), cos, sin)
-        k = rope(project(h, p, "k", c.num_kv_heads), cos, sin)
-        v = project(h, p, "v", c.num_kv_heads)
+        q = rope(f16(project(h, p, "q", c.num_heads)), cos, sin)
+        k = rope(f16(project(h, p, "k", c.num_kv_heads)), cos, sin)
+        v = f16(project(h, p, "v", c.num_kv_heads))
+        if int8:  # as lockgate's float16 KV cache holds them
+            k, v = _f16(k), _f16(v)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(per_head) + (windowed if local[i] else causal)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, -1) @ weight(p + "attn_output.weight").T
+        attn = matmul(f16(np.einsum("hqk,khd->qhd", probs, v)).reshape(n, -1), p + "attn_output.weight")
         if gemma:
             attn = rms(attn, weight(p + "post_attention_norm.weight"))
         x = x + attn
         h = rms(x, weight(p + "ffn_norm.weight"))
-        gate = h @ weight(p + "ffn_gate.weight").T
-        up = h @ weight(p + "ffn_up.weight").T
+        gate = matmul(h, p + "ffn_gate.weight")
+        up = matmul(h, p + "ffn_up.weight")
         if gemma:  # GELU, tanh-approximated
             activated = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
         else:
             activated = gate / (1 + np.exp(-gate))
-        mlp = (activated * up) @ weight(p + "ffn_down.weight").T
+        mlp = matmul(activated * up, p + "ffn_down.weight")
         if gemma:
             mlp = rms(mlp, weight(p + "post_ffw_norm.weight"))
         x = x + mlp
-    logits = rms(x, weight("output_norm.weight")) @ head.T
+    logits = matmul(rms(x, weight("output_norm.weight")), head_name)
     if c.final_logit_softcap:
         logits = np.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
     return logits
+
+
+def _f16(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).astype(np.float64)
 
 
 def _local_layers(c: ModelConfig) -> list[bool]:

@@ -153,7 +153,8 @@ def test_q4_k_m_runs_packed_and_exact(q4_k_m_file, tmp_path):
     path = q4_k_m_file
     config = ModelConfig.from_gguf(GGUFMetadata(path))
     options = ExecutorOptions(
-        max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=tmp_path / "cache"
+        max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=tmp_path / "cache",
+        exact_matmul=True,
     )
     ex = create_executor(ModelFile(path, config), options)
     try:
@@ -161,7 +162,10 @@ def test_q4_k_m_runs_packed_and_exact(q4_k_m_file, tmp_path):
         assert formats["layers.0.self_attn.qkv_proj"] == "q4_k,q4_k,q6_k"
         assert formats["layers.1.mlp.down_proj"] == "q6_k"
         assert formats["lm_head"] == "q6_k" and formats["embed_tokens"] == "q4_k"
-        assert not any(part in ("f16", "f32") for fmt in formats.values() for part in fmt.split(","))
+        assert not any(
+            part in ("f16", "f32") for module, fmt in formats.items() if module != "cpu_activations"
+            for part in fmt.split(",")
+        )
 
         report = ex.load_report
         file_bytes = sum(row["file_bytes"] for row in report["formats"])
@@ -177,6 +181,37 @@ def test_q4_k_m_runs_packed_and_exact(q4_k_m_file, tmp_path):
             got.append(ex.decode([0], [token])[0])
         np.testing.assert_allclose(np.stack(got), want, atol=2.5e-3, rtol=1e-3)
         assert np.std(want) > 0.5
+    finally:
+        ex.close()
+
+
+
+def test_q4_k_m_runs_on_8_bit_activations(q4_k_m_file, tmp_path):
+    """By default the same model multiplies its packed weights by 8-bit
+    activations: its logits follow a reference that rounds them alike, more
+    closely than they follow the exact ones."""
+    from lockgate.models.gguf_metadata import GGUFMetadata
+    from lockgate.plugins.tvm.executor import create_executor
+
+    path = q4_k_m_file
+    config = ModelConfig.from_gguf(GGUFMetadata(path))
+    options = ExecutorOptions(
+        max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=tmp_path / "cache"
+    )
+    ex = create_executor(ModelFile(path, config), options)
+    try:
+        prompt, steps = [1, 70, 71, 72, 260, 261, 262, 30, 40, 50, 2, 198, 45], [265, 3, 100]
+        rows = slice(len(prompt) - 1, -1)
+        rounded = reference_logits(path, prompt + steps, int8=True)[rows]
+        exact = reference_logits(path, prompt + steps)[rows]
+        ex.add_sequence(0)
+        got = [ex.prefill([0], [prompt])[0]]
+        for token in steps[:-1]:
+            got.append(ex.decode([0], [token])[0])
+        got = np.stack(got)
+        np.testing.assert_allclose(got, rounded, atol=0.1)
+        assert (got.argmax(-1) == exact.argmax(-1)).all()
+        assert np.abs(got - rounded).mean() < np.abs(got - exact).mean()
     finally:
         ex.close()
 

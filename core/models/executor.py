@@ -44,6 +44,9 @@ class ExecutorOptions:
     #: ids and requested logprobs cross to the host; None: on for cuda, off
     #: for llvm (numpy samples faster on the CPU)
     device_sampling: bool | None = setting_default("device_sampling")
+    #: on the CPU, dequantize packed weights to float32 rather than round
+    #: activations to 8 bits for integer dot products
+    exact_matmul: bool = setting_default("exact_matmul")
     #: called with one-line progress messages while compiling and loading
     progress: Callable[[str], None] | None = None
 

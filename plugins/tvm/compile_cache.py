@@ -49,7 +49,7 @@ from lockgate.models.config import ModelConfig
 #: the plugin's sources every model library is compiled from (the network's
 #: own module is added per network)
 MODEL_SOURCES = (
-    "layers.py", "formats.py", "decoder.py", "rope.py", "kernels.py", "schedules.py", "pipelines.py", "compile.py",
+    "layers.py", "formats.py", "int8_matmul.py", "decoder.py", "rope.py", "kernels.py", "schedules.py", "pipelines.py", "compile.py",
 )
 #: the sources the sampler's library is compiled from
 SAMPLER_SOURCES = ("sampler_kernels.py", "schedules.py", "pipelines.py")

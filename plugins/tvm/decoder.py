@@ -26,6 +26,7 @@ from tvm.target import Target
 
 from lockgate.models.config import ModelConfig
 from lockgate.plugins.tvm.layers import (
+    CPU,
     CPU_KV_DTYPE,
     DECODE_ROW_TILE,
     DTYPE,
@@ -67,7 +68,7 @@ class Attention(nn.Module):
     """Self-attention: fused Q/K/V projection (plus bias), optional per-head
     Q/K norms, RoPE and attention in the KV cache, output projection."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, cpu: bool, formats: dict) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, cpu: CPU | None, formats: dict) -> None:
         self.layer_id = layer_id
         self.act_dtype = DTYPE if cpu else GPU_DTYPE
         self.kv_dtype = CPU_KV_DTYPE if cpu else GPU_DTYPE
@@ -124,7 +125,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up fused; SwiGLU by default."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, cpu: bool, formats: dict) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, cpu: CPU | None, formats: dict) -> None:
         p = f"layers.{layer_id}.mlp."
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = linear(
@@ -152,7 +153,7 @@ class DecoderLayer(nn.Module):
     attention_class = Attention
     mlp_class = MLP
 
-    def __init__(self, config: ModelConfig, layer_id: int, cpu: bool, formats: dict) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, cpu: CPU | None, formats: dict) -> None:
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self.attention_class(config, layer_id, cpu, formats)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -188,11 +189,11 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, target: Target, formats: dict | None = None) -> None:
         self.config = config
         self.target = target
-        cpu = target.kind.name == "llvm"
-        self.cpu = cpu
+        formats = formats or {}
+        cpu = CPU.for_target(target, formats)
+        self.cpu = cpu is not None
         self.act_dtype = DTYPE if cpu else GPU_DTYPE
         self.kv_dtype = CPU_KV_DTYPE if cpu else GPU_DTYPE
-        formats = formats or {}
         if not config.tie_word_embeddings:
             self.embed_tokens = Embedding(
                 config.vocab_size, config.hidden_size, formats.get("embed_tokens", "f16"), self.act_dtype

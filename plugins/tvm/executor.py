@@ -115,6 +115,7 @@ class TVMExecutor(Executor):
         from tvm_ffi import Shape
 
         from lockgate.plugins.tvm.compile_cache import model_library, target_kind
+        from lockgate.plugins.tvm.formats import CPU_ACTIVATIONS
         from lockgate.plugins.tvm.weights import (
             QuantizedAtLoad,
             describe_load_report,
@@ -153,6 +154,8 @@ class TVMExecutor(Executor):
                 extra_mib=round(extra / (1 << 20), 1),
             )
         cuda = kind == "cuda"
+        if options.exact_matmul and not cuda:
+            formats[CPU_ACTIVATIONS] = "float32"
         self.compiled, facts = model_library(
             config,
             kind,

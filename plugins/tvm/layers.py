@@ -28,11 +28,15 @@ would stop TVM from keeping the accumulators in registers.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from lockgate.plugins.tvm.formats import FORMATS, split_groups
+from lockgate.plugins.tvm import int8_matmul
+from lockgate.plugins.tvm.formats import CPU_ACTIVATIONS, FORMATS, split_groups
 
 #: the activation dtype on the CPU
 DTYPE = "float32"
@@ -48,6 +52,24 @@ CPU_KV_DTYPE = "float16"
 #: a single sequence's decode and the prefill LM head use untiled rows
 PREFILL_ROW_TILE = 6
 DECODE_ROW_TILE = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class CPU:
+    """What the CPU's layers are built with (layers take None on CUDA)."""
+
+    #: instruction set of the 8-bit-activation matmuls
+    #: (`int8_matmul.int8_isa`), None to dequantize packed weights to float32
+    int8: str | None = None
+
+    @classmethod
+    def for_target(cls, target, formats: dict) -> "CPU | None":
+        if target.kind.name != "llvm":
+            return None
+        wanted = formats.get(CPU_ACTIVATIONS, "int8")
+        if wanted not in ("int8", "float32"):
+            raise ValueError(f"{CPU_ACTIVATIONS} must be 'int8' or 'float32', not {wanted!r}")
+        return cls(int8_matmul.int8_isa(target) if wanted == "int8" else None)
 
 
 def panel_width(out_features: int) -> int:
@@ -211,18 +233,30 @@ class GPULinear(nn.Module):
         )
 
 
+@functools.lru_cache(maxsize=None)
+def _quantize_activations(k_extent: int):
+    return int8_matmul.quantize_activations(k_extent)
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_matmul(fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: str):
+    return int8_matmul.packed_matmul(fmt, k_extent, n_extent, row_tile, isa)
+
+
 class Linear(nn.Module):
     """y = x @ W on the CPU, W stored as column panels (out / panel, in, panel).
 
     Weights are "f32", "f16" (a `weight`) or a packed format of
     `formats.FORMATS`, whose parts are paneled the same way: (out / panel,
-    in / per, panel).
+    in / per, panel). With `int8` (an instruction set) a packed weight is
+    multiplied by 8-bit activations (`int8_matmul`), in panels of 16.
     """
 
-    def __init__(self, in_features: int, out_features: int, fmt: str = "f32") -> None:
+    def __init__(self, in_features: int, out_features: int, fmt: str = "f32", int8: str | None = None) -> None:
         self.fmt = fmt
         self.in_features = in_features
-        width = panel_width(out_features)
+        self.int8 = int8 if int8 and int8_matmul.runs_int8(fmt, in_features, out_features) else None
+        width = int8_matmul.LANES if self.int8 else panel_width(out_features)
         panels = out_features // width
         if self.fmt in ("f32", "f16"):
             dtype = "float16" if self.fmt == "f16" else "float32"
@@ -231,9 +265,12 @@ class Linear(nn.Module):
             _packed_parameters(self, self.fmt, in_features, lambda rows: (panels, rows, width))
         else:
             raise ValueError(f"unknown weight format {fmt!r}")
+        self.weight_panels = panels
 
     def forward(self, x: Tensor, row_tile: int = 1, out_dtype: str = DTYPE) -> Tensor:
         fmt, stored = self.fmt, _stored(self)
+        if self.int8:
+            return self._int8_forward(x, row_tile)
         if row_tile == 1:
             return op.tensor_expr_op(
                 lambda xt, *ws: _panel_matmul(fmt, xt, *ws), "matmul", [x, *stored]
@@ -247,6 +284,33 @@ class Linear(nn.Module):
         )
         out = op.tensor_expr_op(_drop_row_padding, "unpad_rows", [padded, rows])
         return op.reshape(out, (b, s, out.shape[-1]))
+
+    def _int8_forward(self, x: Tensor, row_tile: int) -> Tensor:
+        *lead, k = x.shape
+        rows = op.reshape(x, (functools.reduce(lambda a, b: a * b, lead), k))
+        n = rows.shape[0]
+        x8, dx, s16 = op.tensor_ir_op(
+            _quantize_activations(int(k)),
+            "quantize_activations",
+            [rows],
+            [
+                Tensor.placeholder((n, k), "int8"),
+                Tensor.placeholder((n, k // 32), "float32"),
+                Tensor.placeholder((n, k // 16), "float32"),
+            ],
+        )
+        # one row, a decode batch's tile, or the widest tile the registers hold
+        tile = 1 if row_tile == 1 else min(row_tile, DECODE_ROW_TILE)
+        if row_tile >= PREFILL_ROW_TILE:
+            tile = int8_matmul.ROW_TILE[self.int8]
+        out_features = self.weight_panels * int8_matmul.LANES
+        y = op.tensor_ir_op(
+            _int8_matmul(self.fmt, int(k), out_features, tile, self.int8),
+            "matmul_int8",
+            [x8, dx, s16, *_stored(self)],
+            Tensor.placeholder((n, out_features), "float32"),
+        )
+        return op.reshape(y, (*lead, out_features))
 
     def columns(self, ids: Tensor) -> Tensor:
         """W[:, ids] as (len(ids), in): the rows of the transposed weight."""
@@ -264,7 +328,7 @@ class SplitLinear(nn.Module):
     their outputs joined: each part stays packed in its own format rather
     than the whole being widened to a common one."""
 
-    def __init__(self, in_features: int, groups: list[tuple[int, str]], cpu: bool) -> None:
+    def __init__(self, in_features: int, groups: list[tuple[int, str]], cpu: CPU | None) -> None:
         self.parts = len(groups)
         for i, (out_features, fmt) in enumerate(groups):
             setattr(self, f"part{i}", linear(in_features, out_features, cpu, fmt))
@@ -274,13 +338,14 @@ class SplitLinear(nn.Module):
         return op.concat(outs, dim=-1)
 
 
-def linear(in_features: int, out_features: int, cpu: bool, fmt: str, parts: tuple[int, ...] = ()):
-    """The CPU's paneled `Linear` or CUDA's `GPULinear`; a fused module
-    (output sizes `parts`) whose tensors differ in format is a `SplitLinear`."""
+def linear(in_features: int, out_features: int, cpu: CPU | None, fmt: str, parts: tuple[int, ...] = ()):
+    """The CPU's paneled `Linear` (`cpu` given) or CUDA's `GPULinear`; a
+    fused module (output sizes `parts`) whose tensors differ in format is a
+    `SplitLinear`."""
     if "," in fmt:
         return SplitLinear(in_features, split_groups(fmt, parts or (out_features,)), cpu)
     if cpu:
-        return Linear(in_features, out_features, fmt)
+        return Linear(in_features, out_features, fmt, cpu.int8)
     return GPULinear(in_features, out_features, fmt)
 
 

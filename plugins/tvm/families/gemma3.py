@@ -46,7 +46,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode
 from lockgate.errors import ModelLoadError
 from lockgate.models.config import ModelConfig
 from lockgate.plugins.tvm.decoder import MLP, Attention, DecoderForCausalLM, _qk_norm_te
-from lockgate.plugins.tvm.layers import RMSNorm
+from lockgate.plugins.tvm.layers import CPU, RMSNorm
 from lockgate.plugins.tvm.rope import rotate_halves_te
 
 #: every n-th layer is global when the file names no pattern (llama.cpp's default)
@@ -71,7 +71,7 @@ def local_layers(config: ModelConfig) -> list[bool]:
 class Gemma3Attention(Attention):
     """Attention with per-head Q/K norms and RoPE of the layer's own base."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, cpu: bool, formats: dict) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, cpu: CPU | None, formats: dict) -> None:
         super().__init__(config, layer_id, cpu, formats)
         local = local_layers(config)[layer_id]
         self.theta = (config.rope_local_theta or 10000.0) if local else config.rope_theta
@@ -108,7 +108,7 @@ class GeGLU(MLP):
 class Gemma3DecoderLayer(nn.Module):
     """x + post_norm(attn(norm(x))), then x + post_norm(mlp(norm(x)))."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, cpu: bool, formats: dict) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, cpu: CPU | None, formats: dict) -> None:
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = Gemma3Attention(config, layer_id, cpu, formats)

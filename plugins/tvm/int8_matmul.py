@@ -1,0 +1,267 @@
+"""CPU matmuls of packed weights on 8-bit activations (VNNI or AVX2).
+
+A packed linear (`formats.FORMATS`) on the CPU multiplies integer codes by
+8-bit activations, as llama.cpp does, instead of dequantizing every weight
+to float32: `quantize_activations` cuts each row of x into blocks of 32,
+scales each block by its largest magnitude into int8 (round to nearest) and
+keeps the scale and the block's sums; `packed_matmul` then takes, for 16
+output columns (one weight panel) and four consecutive inputs, the 64 code
+bytes side by side (the word orders `formats.py` documents), and adds their
+products with four activations in one instruction: `vpdpbusd` with AVX-512
+VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2. Per scale group (32 inputs, 16
+for Q6_K) the integer sums turn into float32 once:
+
+    y += a · dx · Σ q·x8  +  b · dx · Σ x8
+
+where a and b are the group's scale and offset (Q4_0: d and −8d; Q4_1: d
+and m; a K-quant: d·sc and −dmin·m; …) and dx the activations' block scale.
+The result differs from the exact product by the activations' rounding
+(about 0.4 % of a block's largest value), as llama.cpp's does; the float32
+path (`layers.Linear` with `int8=None`) stays exact.
+
+Both kernels are written directly in TIR (the IR builder), not scheduled:
+the accumulators of a tile of rows stay in registers, the codes of a panel
+are unpacked once per tile, and the output is written without padding.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.target import Target
+from tvm.target.codegen import target_has_features
+from tvm.tirx.script.builder import ir as T
+
+#: output columns per weight panel: one 512-bit vector of int32 sums
+LANES = 16
+
+#: rows computed together in prefill and in batched decode, by instruction set
+#: (AVX-512 has 32 vector registers, AVX2 16)
+ROW_TILE = {"avx512vnni": 8, "avx2": 4}
+
+#: the scale group: inputs sharing one scale and offset
+_GROUP = {"q6_k": 16}
+
+
+def int8_isa(target: Target) -> str | None:
+    """The instruction set the 8-bit kernels use on `target`, or None where
+    they cannot run (not x86, or without AVX2)."""
+    if target.kind.name != "llvm":
+        return None
+    if target_has_features("avx512vnni", target) and target_has_features("avx512bw", target):
+        return "avx512vnni"
+    if target_has_features("avx2", target):
+        return "avx2"
+    return None
+
+
+def runs_int8(fmt: str, in_features: int, out_features: int) -> bool:
+    """True when a weight of `fmt` and this shape has an 8-bit kernel."""
+    from lockgate.plugins.tvm.formats import FORMATS
+
+    return fmt in FORMATS and out_features % LANES == 0 and in_features % 32 == 0
+
+
+def _ramp(start, lanes: int):
+    return tirx.Ramp(start, 1, lanes)
+
+
+def _bcast(value, lanes: int):
+    return tirx.Broadcast(value, lanes)
+
+
+def _u8(value: int):
+    return _bcast(tirx.const(value, "uint8"), 64)
+
+
+def _f32(expr, lanes: int = LANES):
+    return tirx.Cast(f"float32x{lanes}", expr)
+
+
+def quantize_activations(k_extent: int) -> tirx.PrimFunc:
+    """x (rows, k) float32 -> x8 (rows, k) int8, dx (rows, k / 32) the
+    blocks' scales, s16 (rows, k / 16) each 16 inputs' sum of x8 times dx."""
+    rows = tirx.Var("rows", "int64")
+    with IRBuilder() as ib:
+        with T.prim_func(s_tir=True):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            x = T.arg("x", T.buffer((rows, k_extent), "float32"))
+            x8 = T.arg("x8", T.buffer((rows, k_extent), "int8"))
+            dx = T.arg("dx", T.buffer((rows, k_extent // 32), "float32"))
+            s16 = T.arg("s16", T.buffer((rows, k_extent // 16), "float32"))
+            with T.sblock("root"), T.parallel(0, rows) as r:
+                with T.serial(0, k_extent // 32) as b:
+                    amax = T.alloc_buffer((1,), "float32", scope="global")
+                    total = T.alloc_buffer((2,), "int32", scope="global")
+                    T.buffer_store(amax, tirx.const(0.0, "float32"), [0])
+                    with T.serial(0, 32) as j:
+                        T.buffer_store(amax, T.max(amax[0], T.abs(x[r, b * 32 + j])), [0])
+                    scale = amax[0] / tirx.const(127.0, "float32")
+                    inverse = T.Select(
+                        amax[0] > tirx.const(0.0, "float32"),
+                        tirx.const(127.0, "float32") / amax[0],
+                        tirx.const(0.0, "float32"),
+                    )
+                    T.buffer_store(dx, scale, [r, b])
+                    for h in range(2):
+                        T.buffer_store(total, tirx.const(0, "int32"), [h])
+                        with T.serial(0, 16) as j:
+                            q = T.round(x[r, b * 32 + h * 16 + j] * inverse).astype("int32")
+                            T.buffer_store(x8, q.astype("int8"), [r, b * 32 + h * 16 + j])
+                            T.buffer_store(total, total[h] + q, [h])
+                        T.buffer_store(s16, scale * total[h].astype("float32"), [r, b * 2 + h])
+    return ib.get()
+
+
+class _Weights:
+    """How one format's codes, scales and offsets are read from its paneled
+    parts (`P`, in / per, 16) inside the kernel, as vector expressions."""
+
+    def __init__(self, fmt: str, parts: dict) -> None:
+        self.fmt = fmt
+        self.parts = parts
+
+    def _words(self, name: str, at) -> tirx.PrimExpr:
+        part = self.parts[name]
+        return part[self._p, at, _ramp(0, LANES)]
+
+    def bytes(self, name: str, at) -> tirx.PrimExpr:
+        """The 64 bytes of 16 outputs' words at `at`, as uint8x64."""
+        return tirx.reinterpret("uint8x64", self._words(name, at))
+
+    def codes(self, p, k8, half: int) -> tirx.PrimExpr:
+        """The codes of inputs 8·k8 + 4·half … + 3 of the panel's 16
+        outputs, as uint8x64 (or, for Q8_0, int8x64 signed)."""
+        self._p = p
+        if self.fmt == "q8_0":
+            return tirx.reinterpret("int8x64", self._words("codes", k8 * 2 + half))
+        word = self.bytes("codes", k8)
+        code = word & _u8(15) if half == 0 else word >> _u8(4)
+        if self.fmt in ("q5_0", "q5_1", "q5_k"):
+            shift = (k8 % 4) * 2 + half  # bit of the group in each byte
+            high = self.bytes("high", k8 // 4)
+            fifth = (high >> tirx.Broadcast(shift.astype("uint8"), 64)) & _u8(1)
+            code = code | (fifth << _u8(4))
+        elif self.fmt == "q6_k":
+            shift = ((k8 % 2) * 2 + half) * 2
+            high = self.bytes("high", k8 // 2)
+            top = (high >> tirx.Broadcast(shift.astype("uint8"), 64)) & _u8(3)
+            code = code | (top << _u8(4))
+        return code
+
+    def scale_and_offset(self, p, g) -> tuple[tirx.PrimExpr, tirx.PrimExpr | None]:
+        """Group g's scale a and offset b (float32x16; b None when zero)."""
+        self._p = p
+        fmt = self.fmt
+        if fmt in ("q4_k", "q5_k"):
+            a = _f32(self._words("super_scales", g // 8)) * _f32(self._words("sub_scales", g))
+            b = _f32(self._words("super_mins", g // 8)) * _f32(self._words("sub_mins", g))
+            return a, -b
+        if fmt == "q6_k":
+            a = _f32(self._words("super_scales", g // 16)) * _f32(self._words("sub_scales", g))
+            return a, a * _bcast(tirx.const(-32.0, "float32"), LANES)
+        d = _f32(self._words("scales", g))
+        if fmt in ("q4_1", "q5_1"):
+            return d, _f32(self._words("mins", g))
+        centre = {"q4_0": -8.0, "q5_0": -16.0, "q8_0": None}[fmt]
+        if centre is None:
+            return d, None
+        return d, d * _bcast(tirx.const(centre, "float32"), LANES)
+
+
+def _dot(isa: str, acc, codes, x4, signed: bool):
+    """acc (int32x16) plus, per lane, the sum of four code bytes times the
+    four activation bytes of x4 (an int32 holding them)."""
+    if isa == "avx512vnni":
+        if signed:  # unsigned operand: codes + 128, the offset taken out by b
+            codes = tirx.reinterpret("uint8x64", codes) ^ _u8(128)
+        return tirx.call_llvm_pure_intrin(
+            "int32x16",
+            "llvm.x86.avx512.vpdpbusd.512",
+            acc,
+            tirx.reinterpret("int8x64", codes),
+            tirx.reinterpret("int8x64", _bcast(x4, 16)),
+        )
+    x32 = tirx.reinterpret("int8x32", _bcast(x4, 8))
+    ones = _bcast(tirx.const(1, "int16"), 16)
+    halves = []
+    for h in range(2):
+        part = tirx.Shuffle([codes], [tirx.const(i, "int32") for i in range(32 * h, 32 * h + 32)])
+        if signed:  # |w| times x with w's sign: pair sums stay within int16
+            xs = tirx.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", x32, part)
+            part = T.abs(part)
+        else:
+            xs = x32
+        pairs = tirx.call_llvm_pure_intrin(
+            "int16x16", "llvm.x86.avx2.pmadd.ub.sw", tirx.reinterpret("int8x32", part), xs
+        )
+        halves.append(tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, ones))
+    both = tirx.Shuffle(halves, [tirx.const(i, "int32") for i in range(16)])
+    return acc + both
+
+
+def packed_matmul(fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: str) -> tirx.PrimFunc:
+    """y (rows, n) = x @ W for a paneled weight of packed format `fmt`,
+    from `quantize_activations`' outputs; `row_tile` rows share each
+    unpacked panel of codes."""
+    from lockgate.plugins.tvm.formats import FORMATS
+
+    spec = FORMATS[fmt]
+    group = _GROUP.get(fmt, 32)
+    panels = n_extent // LANES
+    signed = fmt == "q8_0"
+    rows = tirx.Var("rows", "int64")
+    with IRBuilder() as ib:
+        with T.prim_func(s_tir=True):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            x8 = T.arg("x8", T.buffer((rows, k_extent), "int8"))
+            dx = T.arg("dx", T.buffer((rows, k_extent // 32), "float32"))
+            s16 = T.arg("s16", T.buffer((rows, k_extent // 16), "float32"))
+            parts = {
+                part.name: T.arg(part.name, T.buffer((panels, k_extent // part.per, LANES), part.dtype))
+                for part in spec.parts
+            }
+            y = T.arg("y", T.buffer((rows, n_extent), "float32"))
+            weights = _Weights(fmt, parts)
+            with T.sblock("root"), T.parallel(0, panels) as p:
+                with T.serial(0, (rows + row_tile - 1) // row_tile) as tile:
+                    accf = T.alloc_buffer((row_tile * LANES,), "float32", scope="global")
+                    acci = T.alloc_buffer((row_tile * LANES,), "int32", scope="global")
+                    row_of = [T.min(tile * row_tile + r, rows - 1) for r in range(row_tile)]
+                    for r in range(row_tile):
+                        T.buffer_store(accf, _bcast(tirx.const(0.0, "float32"), LANES), [_ramp(r * LANES, LANES)])
+                    with T.serial(0, k_extent // group) as g:
+                        for r in range(row_tile):
+                            T.buffer_store(acci, _bcast(tirx.const(0, "int32"), LANES), [_ramp(r * LANES, LANES)])
+                        for k8_in in range(group // 8):
+                            k8 = g * (group // 8) + k8_in
+                            for half in range(2):
+                                codes = weights.codes(p, k8, half)
+                                for r in range(row_tile):
+                                    x4 = tirx.reinterpret("int32", x8[row_of[r], _ramp(k8 * 8 + half * 4, 4)])
+                                    acc = acci[_ramp(r * LANES, LANES)]
+                                    T.buffer_store(
+                                        acci, _dot(isa, acc, codes, x4, signed), [_ramp(r * LANES, LANES)]
+                                    )
+                        a, b = weights.scale_and_offset(p, g)
+                        for r in range(row_tile):
+                            scale = dx[row_of[r], g * group // 32]
+                            if group == 16:
+                                sums = s16[row_of[r], g]
+                            else:
+                                sums = s16[row_of[r], g * 2] + s16[row_of[r], g * 2 + 1]
+                            update = a * _bcast(scale, LANES) * _f32(acci[_ramp(r * LANES, LANES)])
+                            if b is not None:
+                                update = update + b * _bcast(sums, LANES)
+                            elif signed and isa == "avx512vnni":
+                                offset = tirx.const(-128.0, "float32") * sums
+                                update = update + a * _bcast(offset, LANES)
+                            acc = accf[_ramp(r * LANES, LANES)]
+                            T.buffer_store(accf, acc + update, [_ramp(r * LANES, LANES)])
+                    for r in range(row_tile):
+                        with T.If(tile * row_tile + r < rows):
+                            with T.Then():
+                                T.buffer_store(
+                                    y, accf[_ramp(r * LANES, LANES)], [tile * row_tile + r, _ramp(p * LANES, LANES)]
+                                )
+    return ib.get()
