@@ -210,6 +210,7 @@ def packed_matmul(fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: st
     group = _GROUP.get(fmt, 32)
     panels = n_extent // LANES
     signed = fmt == "q8_0"
+    chains = 2 if row_tile == 1 else 1
     rows = tirx.Var("rows", "int64")
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
@@ -226,23 +227,25 @@ def packed_matmul(fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: st
             with T.sblock("root"), T.parallel(0, panels) as p:
                 with T.serial(0, (rows + row_tile - 1) // row_tile) as tile:
                     accf = T.alloc_buffer((row_tile * LANES,), "float32", scope="global")
-                    acci = T.alloc_buffer((row_tile * LANES,), "int32", scope="global")
+                    # a row's sums of one group in `chains` independent
+                    # accumulators: one chain of 8 dependent dot products
+                    # waits on each one's latency when few rows interleave
+                    acci = T.alloc_buffer((row_tile * chains * LANES,), "int32", scope="global")
                     row_of = [T.min(tile * row_tile + r, rows - 1) for r in range(row_tile)]
                     for r in range(row_tile):
                         T.buffer_store(accf, _bcast(tirx.const(0.0, "float32"), LANES), [_ramp(r * LANES, LANES)])
                     with T.serial(0, k_extent // group) as g:
-                        for r in range(row_tile):
+                        for r in range(row_tile * chains):
                             T.buffer_store(acci, _bcast(tirx.const(0, "int32"), LANES), [_ramp(r * LANES, LANES)])
                         for k8_in in range(group // 8):
                             k8 = g * (group // 8) + k8_in
                             for half in range(2):
                                 codes = weights.codes(p, k8, half)
+                                chain = (k8_in * 2 + half) % chains
                                 for r in range(row_tile):
                                     x4 = tirx.reinterpret("int32", x8[row_of[r], _ramp(k8 * 8 + half * 4, 4)])
-                                    acc = acci[_ramp(r * LANES, LANES)]
-                                    T.buffer_store(
-                                        acci, _dot(isa, acc, codes, x4, signed), [_ramp(r * LANES, LANES)]
-                                    )
+                                    at = _ramp((r * chains + chain) * LANES, LANES)
+                                    T.buffer_store(acci, _dot(isa, acci[at], codes, x4, signed), [at])
                         a, b = weights.scale_and_offset(p, g)
                         for r in range(row_tile):
                             scale = dx[row_of[r], g * group // 32]
@@ -250,7 +253,10 @@ def packed_matmul(fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: st
                                 sums = s16[row_of[r], g]
                             else:
                                 sums = s16[row_of[r], g * 2] + s16[row_of[r], g * 2 + 1]
-                            update = a * _bcast(scale, LANES) * _f32(acci[_ramp(r * LANES, LANES)])
+                            sums_i = acci[_ramp(r * chains * LANES, LANES)]
+                            for chain in range(1, chains):
+                                sums_i = sums_i + acci[_ramp((r * chains + chain) * LANES, LANES)]
+                            update = a * _bcast(scale, LANES) * _f32(sums_i)
                             if b is not None:
                                 update = update + b * _bcast(sums, LANES)
                             elif signed and isa == "avx512vnni":
