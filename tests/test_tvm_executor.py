@@ -371,16 +371,20 @@ for _ in range(2):
     ex.add_sequence(0)
     results.append({{"cached": ex.compiled.cached, "logits": ex.prefill([0], [PROMPT])[0].tolist()}})
     ex.close()
+imported = "tvm" in sys.modules
 import tvm
 maps = open("/proc/self/maps").read()
-print(json.dumps({{"runtime_only": tvm.base._RUNTIME_ONLY, "compiler": "libtvm_compiler" in maps, "runs": results}}))
+print(json.dumps({{"runtime_only": tvm.base._RUNTIME_ONLY, "compiler": "libtvm_compiler" in maps,
+                  "imported": imported, "runs": results}}))
 """
 
 
 def test_runtime_only_process_compiles_in_a_child_and_runs_the_cached_library(executor, tiny_files, tmp_path):
-    """A serving process imports TVM's runtime alone (`TVM_USE_RUNTIME_LIB=1`,
-    as `lockgate serve` sets): a missing library is built in a child process,
-    a cached one is found without the compiler, and either runs as here."""
+    """A serving process loads TVM's runtime library alone
+    (`TVM_USE_RUNTIME_LIB=1`, as `lockgate serve` sets) and never imports
+    TVM's Python package (`plugins/tvm/runtime.py`): a missing library is
+    built in a child process, a cached one is found without the compiler,
+    and either runs as here."""
     import json
     import os
     import subprocess
@@ -397,7 +401,7 @@ def test_runtime_only_process_compiles_in_a_child_and_runs_the_cached_library(ex
     )
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.splitlines()[-1])
-    assert found["runtime_only"] and not found["compiler"]
+    assert found["runtime_only"] and not found["compiler"] and not found["imported"]
     assert [run["cached"] for run in found["runs"]] == [False, True]
     executor.add_sequence(90)
     try:

@@ -67,13 +67,13 @@ def cache_key(description: dict, sources: Iterable[pathlib.Path]) -> str:
     """Hash of everything a compiled library depends on: `description`
     (JSON-able), the bytes of each source file, and the tvm and
     apache-tvm-ffi versions."""
-    import tvm
-    import tvm_ffi
+    from lockgate.plugins.tvm.runtime import tvm_versions
 
+    tvm_version, ffi_version = tvm_versions()
     h = hashlib.sha256()
     h.update(json.dumps(description, sort_keys=True, default=str).encode())
-    h.update(tvm.__version__.encode())
-    h.update(str(getattr(tvm_ffi, "__version__", "")).encode())
+    h.update(tvm_version.encode())
+    h.update(ffi_version.encode())
     for path in sources:
         path = pathlib.Path(path)
         h.update(path.name.encode())
@@ -117,49 +117,19 @@ class CompiledModel:
 def compiler_loaded() -> bool:
     """Whether this process's TVM can compile (it was not imported with
     `TVM_USE_RUNTIME_LIB=1`)."""
-    import tvm
+    from lockgate.plugins.tvm.runtime import runtime_only
 
-    return not tvm.base._RUNTIME_ONLY
-
-
-_device_runtimes_tried = False
-
-
-def load_device_runtimes() -> None:
-    """Load TVM's CUDA runtime into a runtime-only process. `import tvm`
-    loads its device backends only with the compiler: without this, a
-    process under `TVM_USE_RUNTIME_LIB=1` sees no CUDA device at all. Where
-    CUDA is missing the library does not load, and nothing changes."""
-    global _device_runtimes_tried
-    import tvm
-    from tvm.base import _LOADED_LIBS
-
-    if _device_runtimes_tried or not tvm.base._RUNTIME_ONLY or "tvm_runtime_cuda" in _LOADED_LIBS:
-        return
-    _device_runtimes_tried = True
-    from tvm_ffi.libinfo import load_lib_ctypes
-
-    try:
-        _LOADED_LIBS["tvm_runtime_cuda"] = load_lib_ctypes(
-            package="tvm",
-            target_name="tvm_runtime_cuda",
-            extra_lib_paths=[pathlib.Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent],
-            mode="RTLD_LOCAL",
-        )
-    except (OSError, RuntimeError):
-        pass
+    return not runtime_only()
 
 
 def target_kind(name: str) -> str:
     """`ExecutorOptions.target` as "llvm" or "cuda", asking the runtime
     only: "auto" is cuda when a CUDA device is present."""
-    import tvm
-
-    load_device_runtimes()
+    from lockgate.plugins.tvm.runtime import cuda_exists
 
     if name == "auto":
-        return "cuda" if tvm.cuda().exist else "llvm"
-    if name == "cuda" and not tvm.cuda().exist:
+        return "cuda" if cuda_exists() else "llvm"
+    if name == "cuda" and not cuda_exists():
         raise ValueError("target 'cuda' asked for, but no CUDA device is present")
     if name not in ("llvm", "cuda"):
         raise ValueError(f"unknown target {name!r}: expected 'auto', 'llvm' or 'cuda'")
@@ -170,10 +140,10 @@ def _target_description(kind: str) -> dict:
     """What decides the code TVM generates for `kind` on this machine: the
     CUDA architecture, or the host CPU (LLVM targets its model and
     features), read without the compiler."""
-    import tvm
+    from lockgate.plugins.tvm.runtime import cuda_compute_version
 
     if kind == "cuda":
-        return {"kind": "cuda", "arch": tvm.cuda().compute_version, "machine": platform.machine()}
+        return {"kind": "cuda", "arch": cuda_compute_version(), "machine": platform.machine()}
     cpu = {}
     try:
         with open("/proc/cpuinfo") as cpuinfo:

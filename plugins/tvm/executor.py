@@ -13,6 +13,7 @@ import structlog
 from lockgate.errors import ModelLoadError
 from lockgate.memory import Trimmer, trim_allocator
 from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
+from lockgate.plugins.tvm import runtime
 
 log = structlog.get_logger("lockgate.executor")
 
@@ -49,9 +50,7 @@ def _set_num_threads(num_threads: int | None) -> None:
     # The pool reads the variable when it first starts; the explicit call
     # resizes a pool that another executor in this process already started.
     os.environ["TVM_NUM_THREADS"] = str(num_threads)
-    import tvm
-
-    tvm.get_global_func("runtime.config_threadpool")(1, num_threads)
+    runtime.get_global_func("runtime.config_threadpool")(1, num_threads)
 
 
 def _release_loading_memory() -> None:
@@ -65,18 +64,12 @@ def _release_loading_memory() -> None:
     trim_allocator()
 
 
-def _upload(array: np.ndarray, device, cuda: bool):
+def _upload(array: np.ndarray, device):
     """`array` (possibly a strided view) as a TVM tensor on `device`, copied
     once: on the CPU straight into the tensor's own memory. Making it
     contiguous first and copying that in held a paneled weight up to three
     times over (the default model's load peak: 296 -> 268 MiB)."""
-    import tvm
-
-    if cuda:
-        return tvm.runtime.tensor(np.ascontiguousarray(array), device)
-    tensor = tvm.runtime.empty(array.shape, str(array.dtype), device)
-    np.copyto(np.from_dlpack(tensor), array, casting="no")
-    return tensor
+    return runtime.from_numpy(array, device)
 
 
 def _open_tensors(model_file: ModelFile):
@@ -110,10 +103,6 @@ class TVMExecutor(Executor):
                 raise ValueError(f"{name} must be positive, got {getattr(options, name)}")
         _set_num_threads(options.num_threads)
 
-        import tvm
-        from tvm.runtime.vm import VirtualMachine
-        from tvm_ffi import Shape
-
         from lockgate.plugins.tvm.compile_cache import model_library, target_kind
         from lockgate.plugins.tvm.formats import CPU_ACTIVATIONS
         from lockgate.plugins.tvm.weights import (
@@ -125,7 +114,7 @@ class TVMExecutor(Executor):
         )
 
         self._progress = options.progress or (lambda _msg: None)
-        self._Shape = Shape
+        self._Shape = runtime.Shape
         config = model_file.config
         self.config = config
         # the runtime alone answers this and finds a cached library: TVM's
@@ -165,12 +154,12 @@ class TVMExecutor(Executor):
             options.max_num_seqs if cuda else None,
             family.networks.get("tvm") or family.network("tvm"),
         )
-        self.device = tvm.cuda(0) if cuda else tvm.cpu(0)
+        self.device = runtime.device("cuda" if cuda else "cpu")
 
         self._progress("loading weights…")
         try:
             self._params = [
-                _upload(array, self.device, cuda)
+                _upload(array, self.device)
                 for array in iter_gguf_weights(
                     tensors,
                     config,
@@ -191,15 +180,12 @@ class TVMExecutor(Executor):
         # shape it has seen (each batch size and prefill length): under varied
         # load that held ~230 MiB more than the plain allocator, which measured
         # no slower here. GPU allocations are costly, so CUDA keeps the pool.
-        memory_cfg = None if cuda else "naive"
-        self._vm = VirtualMachine(
-            tvm.runtime.load_module(str(self.compiled.library)), self.device, memory_cfg=memory_cfg
-        )
+        self._vm = runtime.load_vm(str(self.compiled.library), self.device, "pooled" if cuda else "naive")
         self._embed = self._vm["embed"]
         self._prefill = self._vm["batch_prefill"]
         self._decode = self._vm["batch_decode"]
         self._decode_one = self._vm["decode_one"]
-        f = tvm.get_global_func
+        f = runtime.get_global_func
         self._add_seq = f("vm.builtin.kv_state_add_sequence")
         self._remove_seq = f("vm.builtin.kv_state_remove_sequence")
         self._fork_seq = f("vm.builtin.kv_state_fork_sequence")
@@ -219,11 +205,11 @@ class TVMExecutor(Executor):
         # Padding sequences hold a page each during a step and none between
         # steps: those pages are kept out of what the engine sees as free.
         self._kv = self._vm["create_tir_paged_kv_cache"](
-            Shape([options.max_num_seqs + self._max_pad]),
-            Shape([(pages + self._max_pad) * page_size]),
+            runtime.Shape([options.max_num_seqs + self._max_pad]),
+            runtime.Shape([(pages + self._max_pad) * page_size]),
             # a decode batch past the buckets is one prefill of a token each
-            Shape([max(self.prefill_chunk_size, options.max_num_seqs if buckets else 0)]),
-            Shape([page_size]),
+            runtime.Shape([max(self.prefill_chunk_size, options.max_num_seqs if buckets else 0)]),
+            runtime.Shape([page_size]),
         )
         self.total_pages = int(self._available_pages(self._kv)) - self._max_pad
         self.max_sequence_length = min(config.context_length, self.total_pages * self.page_size)
@@ -410,16 +396,16 @@ class TVMExecutor(Executor):
             out = run()
         finally:
             self._end(self._kv)
-        logits = out[0] if not hasattr(out, "numpy") else out
+        logits = out if hasattr(out, "shape") else out[0]
         if self._sampler is not None:
             return logits
-        return np.asarray(logits.numpy(), dtype=np.float32)
+        return np.asarray(runtime.to_numpy(logits), dtype=np.float32)
 
     def _on_device(self, tensor, n: int) -> "DeviceLogits":
         """The first `n` rows of the `[..., vocab]` logits `tensor`, left
         on the device."""
         held = math.prod(int(d) for d in tensor.shape) // self.vocab_size
-        view = tensor if len(tensor.shape) == 2 else tensor._create_view((held, self.vocab_size))
+        view = tensor if len(tensor.shape) == 2 else runtime.create_view(tensor, (held, self.vocab_size))
         return DeviceLogits(tensor, view, np.arange(n, dtype=np.int64))
 
     def _embed_tokens(self, tokens: np.ndarray) -> "_View":
@@ -427,9 +413,7 @@ class TVMExecutor(Executor):
         return _View(out)
 
     def _to_device(self, array: np.ndarray):
-        import tvm
-
-        return tvm.runtime.tensor(np.ascontiguousarray(array, dtype=np.int32), self.device)
+        return runtime.from_numpy(np.ascontiguousarray(array, dtype=np.int32), self.device)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -519,7 +503,8 @@ class DeviceLogits:
         if isinstance(rows, (int, np.integer)):
             # one row, on the host (numpy's `logits[i]`)
             row = int(self.index[rows])
-            return np.asarray(self.tensor._create_view((row + 1, self.shape[1])).numpy()[row], dtype=np.float32)
+            view = runtime.create_view(self.tensor, (row + 1, self.shape[1]))
+            return np.asarray(runtime.to_numpy(view)[row], dtype=np.float32)
         if isinstance(rows, tuple):
             raise TypeError("DeviceLogits takes row indices (an int, a list or a slice); use numpy() for more")
         index = self.index[rows if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)]
@@ -529,7 +514,7 @@ class DeviceLogits:
 
     def numpy(self) -> np.ndarray:
         """The rows on the host, `(len(self), vocab)` float32."""
-        return np.asarray(self.tensor.numpy(), dtype=np.float32)[self.index]
+        return np.asarray(runtime.to_numpy(self.tensor), dtype=np.float32)[self.index]
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         array = self.numpy()
@@ -548,7 +533,7 @@ class _View:
         self.tensor = tensor
 
     def view_as(self, shape: tuple[int, ...]) -> "_View":
-        self.tensor = self.base._create_view(shape)
+        self.tensor = runtime.create_view(self.base, shape)
         return self
 
 

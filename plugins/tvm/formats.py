@@ -41,7 +41,6 @@ from collections.abc import Callable
 
 import gguf
 import numpy as np
-from tvm import tirx
 
 Q = gguf.GGMLQuantizationType
 
@@ -84,8 +83,15 @@ def _f32(x):
     return x.astype("float32")
 
 
-def _u32(value: int):
-    return tirx.const(value, "uint32")
+def _const(like, value, dtype: str):
+    """A constant for an expression like `like`: TIR's, or numpy's when the
+    values are computed in numpy (`unpack_values`), so loading weights
+    needs no TVM."""
+    if isinstance(like, _NumpyExpr):
+        return np.array(value, dtype=dtype)
+    from tvm import tirx
+
+    return tirx.const(value, dtype)
 
 
 def _byte_of(k):
@@ -95,19 +101,19 @@ def _byte_of(k):
 
 def _nibble(load, k):
     shift = _byte_of(k) + k % 8 // 4 * 4
-    return (load("codes") >> shift.astype("uint32")) & _u32(15)
+    return (load("codes") >> shift.astype("uint32")) & _const(k, 15, "uint32")
 
 
 def _five_bits(load, k):
     shift = _byte_of(k) + k % 32 // 8 * 2 + k % 8 // 4
-    high = (load("high") >> shift.astype("uint32")) & _u32(1)
-    return _nibble(load, k) | (high << _u32(4))
+    high = (load("high") >> shift.astype("uint32")) & _const(k, 1, "uint32")
+    return _nibble(load, k) | (high << _const(k, 4, "uint32"))
 
 
 def _six_bits(load, k):
     shift = _byte_of(k) + (k % 16 // 8 * 2 + k % 8 // 4) * 2
-    high = (load("high") >> shift.astype("uint32")) & _u32(3)
-    return _nibble(load, k) | (high << _u32(4))
+    high = (load("high") >> shift.astype("uint32")) & _const(k, 3, "uint32")
+    return _nibble(load, k) | (high << _const(k, 4, "uint32"))
 
 
 def _signed_byte(load, k):
@@ -116,7 +122,7 @@ def _signed_byte(load, k):
 
 
 def _centred(code, centre: int):
-    return _f32(code) - tirx.const(float(centre), "float32")
+    return _f32(code) - _const(code, float(centre), "float32")
 
 
 def _sub_scale(load):
@@ -426,8 +432,6 @@ class _NumpyExpr:
     def _of(other):
         if isinstance(other, _NumpyExpr):
             return other.array
-        if isinstance(other, (tirx.IntImm, tirx.FloatImm)):
-            return np.array(other.value, dtype=str(other.ty))
         return other
 
     def astype(self, dtype):
