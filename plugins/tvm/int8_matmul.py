@@ -78,9 +78,26 @@ def _f32(expr, lanes: int = LANES):
     return tirx.Cast(f"float32x{lanes}", expr)
 
 
+def _halves(vec, lanes: int):
+    half = lanes // 2
+    lo = tirx.Shuffle([vec], [tirx.const(i, "int32") for i in range(half)])
+    hi = tirx.Shuffle([vec], [tirx.const(i, "int32") for i in range(half, lanes)])
+    return lo, hi, half
+
+
+def _reduce(combine, vec, lanes: int):
+    """A vector's lanes folded pairwise with `combine` into one value."""
+    while lanes > 1:
+        lo, hi, lanes = _halves(vec, lanes)
+        vec = combine(lo, hi)
+    return vec
+
+
 def quantize_activations(k_extent: int) -> tirx.PrimFunc:
     """x (rows, k) float32 -> x8 (rows, k) int8, dx (rows, k / 32) the
-    blocks' scales, s16 (rows, k / 16) each 16 inputs' sum of x8 times dx."""
+    blocks' scales, s16 (rows, k / 16) each 16 inputs' sum of x8 times dx.
+    A block is one 32-lane vector: its largest magnitude and sums are folded
+    from it in registers."""
     rows = tirx.Var("rows", "int64")
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
@@ -91,25 +108,21 @@ def quantize_activations(k_extent: int) -> tirx.PrimFunc:
             s16 = T.arg("s16", T.buffer((rows, k_extent // 16), "float32"))
             with T.sblock("root"), T.parallel(0, rows) as r:
                 with T.serial(0, k_extent // 32) as b:
-                    amax = T.alloc_buffer((1,), "float32", scope="global")
-                    total = T.alloc_buffer((2,), "int32", scope="global")
-                    T.buffer_store(amax, tirx.const(0.0, "float32"), [0])
-                    with T.serial(0, 32) as j:
-                        T.buffer_store(amax, T.max(amax[0], T.abs(x[r, b * 32 + j])), [0])
-                    scale = amax[0] / tirx.const(127.0, "float32")
+                    block = x[r, _ramp(b * 32, 32)]
+                    amax = _reduce(T.max, T.abs(block), 32)
                     inverse = T.Select(
-                        amax[0] > tirx.const(0.0, "float32"),
-                        tirx.const(127.0, "float32") / amax[0],
+                        amax > tirx.const(0.0, "float32"),
+                        tirx.const(127.0, "float32") / amax,
                         tirx.const(0.0, "float32"),
                     )
+                    codes = tirx.Cast("int32x32", T.round(block * _bcast(inverse, 32)))
+                    T.buffer_store(x8, tirx.Cast("int8x32", codes), [r, _ramp(b * 32, 32)])
+                    scale = amax / tirx.const(127.0, "float32")
                     T.buffer_store(dx, scale, [r, b])
-                    for h in range(2):
-                        T.buffer_store(total, tirx.const(0, "int32"), [h])
-                        with T.serial(0, 16) as j:
-                            q = T.round(x[r, b * 32 + h * 16 + j] * inverse).astype("int32")
-                            T.buffer_store(x8, q.astype("int8"), [r, b * 32 + h * 16 + j])
-                            T.buffer_store(total, total[h] + q, [h])
-                        T.buffer_store(s16, scale * total[h].astype("float32"), [r, b * 2 + h])
+                    lo, hi, _ = _halves(codes, 32)
+                    for h, half in enumerate((lo, hi)):
+                        total = _reduce(lambda a, c: a + c, half, 16)
+                        T.buffer_store(s16, scale * total.astype("float32"), [r, b * 2 + h])
     return ib.get()
 
 

@@ -1,0 +1,98 @@
+"""One CPU matmul per packed format: the float32 dequantizing kernel
+(`--exact-matmul`) against the 8-bit-activation kernel (`int8_matmul.py`),
+side by side in one process, on random GGML blocks.
+
+    python benchmarks/int8_kernels.py [--k 1536] [--n 576] [--rows 1,24]
+        [--formats q4_k,q6_k] [--isa host|avx2|avx512vnni] [--threads 1]
+
+Prints microseconds per call and the ratio. `--isa avx2` compiles for
+Haswell (runs on any AVX2 host), `avx512vnni` for Zen 4 (needs the host to
+have it); `host` takes what this CPU has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k", type=int, default=1536, help="inputs (a multiple of 256 for K-quants)")
+    parser.add_argument("--n", type=int, default=576, help="outputs (a multiple of 16)")
+    parser.add_argument("--rows", default="1,24", help="activation rows, comma-separated")
+    parser.add_argument("--formats", default="q8_0,q4_0,q4_1,q5_0,q4_k,q5_k,q6_k")
+    parser.add_argument("--isa", default="host", choices=("host", "avx2", "avx512vnni"))
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+
+    import tvm
+    from test_quantized_formats import random_blocks
+    from tvm import te
+    from tvm.s_tir import dlight as dl
+    from tvm.target import Target
+
+    from lockgate.plugins.tvm import int8_matmul
+    from lockgate.plugins.tvm.formats import FORMATS, pack_blocks
+    from lockgate.plugins.tvm.layers import PREFILL_ROW_TILE, _panel_matmul, panel_width
+    from lockgate.plugins.tvm.schedules import CPUMatmul
+    from lockgate.plugins.tvm.weights import to_panels
+
+    target = {
+        "host": Target.from_device(tvm.cpu()),
+        "avx2": Target({"kind": "llvm", "mcpu": "haswell"}),
+        "avx512vnni": Target({"kind": "llvm", "mcpu": "znver4"}),
+    }[args.isa]
+    isa = int8_matmul.int8_isa(target)
+    if isa is None:
+        sys.exit(f"no 8-bit kernels for {target}")
+    dev = tvm.cpu()
+    k, n = args.k, args.n
+
+    def timed(lib, tensors) -> float:
+        return lib.mod.time_evaluator("main", dev, number=20, repeat=7)(*tensors).median * 1e6
+
+    def build(func):
+        return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
+
+    print(f"{isa}, {k} x {n}, {args.threads} thread(s); microseconds per call")
+    print(f"| format | rows | float32 | int8 (with rounding x) | ratio |")
+    print("|---|---|---|---|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
+        quantize = build(int8_matmul.quantize_activations(k))
+        xs = [tvm.runtime.tensor(x, dev), tvm.runtime.empty((rows, k), "int8", dev),
+              tvm.runtime.empty((rows, k // 32), "float32", dev), tvm.runtime.empty((rows, k // 16), "float32", dev)]
+        t_quantize = timed(quantize, xs)
+        for fmt in args.formats.split(","):
+            parts = pack_blocks(random_blocks(fmt, n, k), n, k, fmt)
+            spec = FORMATS[fmt]
+            # float32: the schedule and panels of `layers.Linear` without int8
+            wide = [np.ascontiguousarray(to_panels(parts[p.name].T, panel_width(n))) for p in spec.parts]
+            xt = te.placeholder((1, rows, k), "float32", name="x")
+            ws = [te.placeholder(a.shape, str(a.dtype), name=f"w{i}") for i, a in enumerate(wide)]
+            mod = tvm.IRModule({"main": te.create_prim_func([xt, *ws, _panel_matmul(fmt, xt, *ws)])})
+            with target:
+                mod = dl.ApplyDefaultSchedule(CPUMatmul())(mod)
+            lib = tvm.compile(mod, target=target)
+            t_float = timed(lib, [tvm.runtime.tensor(x[None], dev), *[tvm.runtime.tensor(a, dev) for a in wide],
+                                  tvm.runtime.empty((1, rows, n), "float32", dev)])
+            # int8: 16-wide panels, a tile of rows as the layer picks it
+            tile = 1 if rows == 1 else int8_matmul.ROW_TILE[isa] if rows >= PREFILL_ROW_TILE else rows
+            narrow = [np.ascontiguousarray(to_panels(parts[p.name].T, int8_matmul.LANES)) for p in spec.parts]
+            lib = build(int8_matmul.packed_matmul(fmt, k, n, tile, isa))
+            t_int8 = timed(lib, [*xs[1:], *[tvm.runtime.tensor(a, dev) for a in narrow],
+                                 tvm.runtime.empty((rows, n), "float32", dev)])
+            total = t_int8 + t_quantize
+            print(f"| {fmt} | {rows} | {t_float:.1f} | {total:.1f} ({t_quantize:.1f}) | {t_float / total:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
