@@ -7,13 +7,14 @@ nothing. The executor needs only functions the runtime library registers by
 name: load a compiled library and run its VM, allocate tensors and copy
 them to and from numpy, call the KV cache's builtins. This module loads
 `libtvm_runtime` as `tvm.base` does (the same file, so a later `import tvm`
-finds it loaded) and reaches those functions through tvm-ffi. CUDA loads
-its device runtime through `compile_cache.load_device_runtime`.
+finds it loaded) and reaches those functions through tvm-ffi. CUDA's
+device runtime is loaded by `load_cuda`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import pathlib
@@ -64,12 +65,11 @@ def load() -> None:
     from tvm_ffi.libinfo import load_lib_ctypes
 
     load_lib_ctypes("tvm", "tvm_runtime", "RTLD_GLOBAL", extra_lib_paths=[_lib_dir()])
-    if os.environ.get("TVM_USE_RUNTIME_LIB") == "1":
-        # as `tvm.base` does without the compiler: objects of types only the
-        # compiler registers are skipped, not refused
-        from tvm_ffi import registry
+    # as `tvm.base` does without the compiler: objects of types only the
+    # compiler registers are skipped, not refused
+    from tvm_ffi import registry
 
-        registry._SKIP_UNKNOWN_OBJECTS = True
+    registry._SKIP_UNKNOWN_OBJECTS = True
     _loaded = True
 
 
@@ -115,7 +115,10 @@ def tvm_versions() -> tuple[str, str]:
     return version("apache-tvm"), version("apache-tvm-ffi")
 
 
+@functools.cache
 def get_global_func(name: str):
+    """A function the runtime registers, looked up once (the executor calls
+    the tensor functions below every step)."""
     load()
     return tvm_ffi.get_global_func(name)
 
