@@ -41,7 +41,7 @@ def main() -> None:
 
     from lockgate.plugins.tvm import int8_matmul
     from lockgate.plugins.tvm.formats import FORMATS, pack_blocks
-    from lockgate.plugins.tvm.layers import PREFILL_ROW_TILE, _panel_matmul, panel_width
+    from lockgate.plugins.tvm.layers import PREFILL_ROW_TILE, _panel_matmul, int8_row_tile, panel_width
     from lockgate.plugins.tvm.schedules import CPUMatmul
     from lockgate.plugins.tvm.weights import to_panels
 
@@ -85,7 +85,7 @@ def main() -> None:
             t_float = timed(lib, [tvm.runtime.tensor(x[None], dev), *[tvm.runtime.tensor(a, dev) for a in wide],
                                   tvm.runtime.empty((1, rows, n), "float32", dev)])
             # int8: 16-wide panels, a tile of rows as the layer picks it
-            tile = 1 if rows == 1 else int8_matmul.ROW_TILE[isa] if rows >= PREFILL_ROW_TILE else rows
+            tile = int8_row_tile(isa, 1 if rows == 1 else PREFILL_ROW_TILE)
             narrow = [np.ascontiguousarray(to_panels(parts[p.name].T, int8_matmul.LANES)) for p in spec.parts]
             lib = build(int8_matmul.packed_matmul(fmt, k, n, tile, isa))
             t_int8 = timed(lib, [*xs[1:], *[tvm.runtime.tensor(a, dev) for a in narrow],

@@ -220,7 +220,7 @@ def _block_nibbles(qs: np.ndarray) -> np.ndarray:
 
 def _pack_q8_0(blocks, rows, cols):
     return {
-        "codes": blocks[..., 2:].reshape(rows, cols).copy().view("<i4"),
+        "codes": np.ascontiguousarray(blocks[..., 2:]).reshape(rows, cols).view("<i4"),
         "scales": _f16_field(blocks, 0),
     }
 

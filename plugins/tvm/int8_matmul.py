@@ -32,6 +32,8 @@ from tvm.target import Target
 from tvm.target.codegen import target_has_features
 from tvm.tirx.script.builder import ir as T
 
+from lockgate.plugins.tvm.formats import FORMATS
+
 #: output columns per weight panel: one 512-bit vector of int32 sums
 LANES = 16
 
@@ -57,8 +59,6 @@ def int8_isa(target: Target) -> str | None:
 
 def runs_int8(fmt: str, in_features: int, out_features: int) -> bool:
     """True when a weight of `fmt` and this shape has an 8-bit kernel."""
-    from lockgate.plugins.tvm.formats import FORMATS
-
     return fmt in FORMATS and out_features % LANES == 0 and in_features % 32 == 0
 
 
@@ -127,27 +127,34 @@ def quantize_activations(k_extent: int) -> tirx.PrimFunc:
 
 
 class _Weights:
-    """How one format's codes, scales and offsets are read from its paneled
-    parts (`P`, in / per, 16) inside the kernel, as vector expressions."""
+    """How one format's codes, scales and offsets are read from panel `p` of
+    its paneled parts (`P`, in / per, 16) inside the kernel, as vector
+    expressions.
 
-    def __init__(self, fmt: str, parts: dict) -> None:
+    Codes are unsigned bytes, the offset b taking out their centre, except
+    Q8_0's with AVX2: its signed codes are multiplied as they are (`_dot`),
+    where VNNI takes them biased by 128 like any other unsigned code."""
+
+    def __init__(self, fmt: str, parts: dict, p, isa: str) -> None:
         self.fmt = fmt
         self.parts = parts
+        self.p = p
+        self.signed = fmt == "q8_0" and isa != "avx512vnni"
 
     def _words(self, name: str, at) -> tirx.PrimExpr:
-        part = self.parts[name]
-        return part[self._p, at, _ramp(0, LANES)]
+        return self.parts[name][self.p, at, _ramp(0, LANES)]
 
     def bytes(self, name: str, at) -> tirx.PrimExpr:
         """The 64 bytes of 16 outputs' words at `at`, as uint8x64."""
         return tirx.reinterpret("uint8x64", self._words(name, at))
 
-    def codes(self, p, k8, half: int) -> tirx.PrimExpr:
+    def codes(self, k8, half: int) -> tirx.PrimExpr:
         """The codes of inputs 8·k8 + 4·half … + 3 of the panel's 16
-        outputs, as uint8x64 (or, for Q8_0, int8x64 signed)."""
-        self._p = p
+        outputs, as uint8x64 (int8x64 when `signed`)."""
         if self.fmt == "q8_0":
-            return tirx.reinterpret("int8x64", self._words("codes", k8 * 2 + half))
+            if self.signed:
+                return tirx.reinterpret("int8x64", self._words("codes", k8 * 2 + half))
+            return self.bytes("codes", k8 * 2 + half) ^ _u8(128)
         word = self.bytes("codes", k8)
         code = word & _u8(15) if half == 0 else word >> _u8(4)
         if self.fmt in ("q5_0", "q5_1", "q5_k"):
@@ -162,9 +169,8 @@ class _Weights:
             code = code | (top << _u8(4))
         return code
 
-    def scale_and_offset(self, p, g) -> tuple[tirx.PrimExpr, tirx.PrimExpr | None]:
+    def scale_and_offset(self, g) -> tuple[tirx.PrimExpr, tirx.PrimExpr | None]:
         """Group g's scale a and offset b (float32x16; b None when zero)."""
-        self._p = p
         fmt = self.fmt
         if fmt in ("q4_k", "q5_k"):
             a = _f32(self._words("super_scales", g // 8)) * _f32(self._words("sub_scales", g))
@@ -176,18 +182,17 @@ class _Weights:
         d = _f32(self._words("scales", g))
         if fmt in ("q4_1", "q5_1"):
             return d, _f32(self._words("mins", g))
-        centre = {"q4_0": -8.0, "q5_0": -16.0, "q8_0": None}[fmt]
+        centre = {"q4_0": -8.0, "q5_0": -16.0, "q8_0": None if self.signed else -128.0}[fmt]
         if centre is None:
             return d, None
         return d, d * _bcast(tirx.const(centre, "float32"), LANES)
 
 
 def _dot(isa: str, acc, codes, x4, signed: bool):
-    """acc (int32x16) plus, per lane, the sum of four code bytes times the
-    four activation bytes of x4 (an int32 holding them)."""
+    """acc (int32x16) plus, per lane, the sum of four code bytes (unsigned,
+    or with AVX2 `signed`) times the four activation bytes of x4 (an int32
+    holding them)."""
     if isa == "avx512vnni":
-        if signed:  # unsigned operand: codes + 128, the offset taken out by b
-            codes = tirx.reinterpret("uint8x64", codes) ^ _u8(128)
         return tirx.call_llvm_pure_intrin(
             "int32x16",
             "llvm.x86.avx512.vpdpbusd.512",
@@ -217,12 +222,9 @@ def packed_matmul(fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: st
     """y (rows, n) = x @ W for a paneled weight of packed format `fmt`,
     from `quantize_activations`' outputs; `row_tile` rows share each
     unpacked panel of codes."""
-    from lockgate.plugins.tvm.formats import FORMATS
-
     spec = FORMATS[fmt]
     group = _GROUP.get(fmt, 32)
     panels = n_extent // LANES
-    signed = fmt == "q8_0"
     chains = 2 if row_tile == 1 else 1
     rows = tirx.Var("rows", "int64")
     with IRBuilder() as ib:
@@ -236,8 +238,8 @@ def packed_matmul(fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: st
                 for part in spec.parts
             }
             y = T.arg("y", T.buffer((rows, n_extent), "float32"))
-            weights = _Weights(fmt, parts)
             with T.sblock("root"), T.parallel(0, panels) as p:
+                weights = _Weights(fmt, parts, p, isa)
                 with T.serial(0, (rows + row_tile - 1) // row_tile) as tile:
                     accf = T.alloc_buffer((row_tile * LANES,), "float32", scope="global")
                     # a row's sums of one group in `chains` independent
@@ -253,13 +255,13 @@ def packed_matmul(fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: st
                         for k8_in in range(group // 8):
                             k8 = g * (group // 8) + k8_in
                             for half in range(2):
-                                codes = weights.codes(p, k8, half)
+                                codes = weights.codes(k8, half)
                                 chain = (k8_in * 2 + half) % chains
                                 for r in range(row_tile):
                                     x4 = tirx.reinterpret("int32", x8[row_of[r], _ramp(k8 * 8 + half * 4, 4)])
                                     at = _ramp((r * chains + chain) * LANES, LANES)
-                                    T.buffer_store(acci, _dot(isa, acci[at], codes, x4, signed), [at])
-                        a, b = weights.scale_and_offset(p, g)
+                                    T.buffer_store(acci, _dot(isa, acci[at], codes, x4, weights.signed), [at])
+                        a, b = weights.scale_and_offset(g)
                         for r in range(row_tile):
                             scale = dx[row_of[r], g * group // 32]
                             if group == 16:
@@ -272,9 +274,6 @@ def packed_matmul(fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: st
                             update = a * _bcast(scale, LANES) * _f32(sums_i)
                             if b is not None:
                                 update = update + b * _bcast(sums, LANES)
-                            elif signed and isa == "avx512vnni":
-                                offset = tirx.const(-128.0, "float32") * sums
-                                update = update + a * _bcast(offset, LANES)
                             acc = accf[_ramp(r * LANES, LANES)]
                             T.buffer_store(accf, acc + update, [_ramp(r * LANES, LANES)])
                     for r in range(row_tile):

@@ -233,6 +233,15 @@ class GPULinear(nn.Module):
         )
 
 
+def int8_row_tile(isa: str, row_tile: int) -> int:
+    """The rows an 8-bit kernel computes together for a caller's `row_tile`:
+    one row, a decode batch's tile, or in prefill the widest tile the
+    registers hold."""
+    if row_tile >= PREFILL_ROW_TILE:
+        return int8_matmul.ROW_TILE[isa]
+    return min(row_tile, DECODE_ROW_TILE)
+
+
 @functools.lru_cache(maxsize=None)
 def _quantize_activations(k_extent: int):
     return int8_matmul.quantize_activations(k_extent)
@@ -255,6 +264,7 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, fmt: str = "f32", int8: str | None = None) -> None:
         self.fmt = fmt
         self.in_features = in_features
+        self.out_features = out_features
         self.int8 = int8 if int8 and int8_matmul.runs_int8(fmt, in_features, out_features) else None
         width = int8_matmul.LANES if self.int8 else panel_width(out_features)
         panels = out_features // width
@@ -265,7 +275,6 @@ class Linear(nn.Module):
             _packed_parameters(self, self.fmt, in_features, lambda rows: (panels, rows, width))
         else:
             raise ValueError(f"unknown weight format {fmt!r}")
-        self.weight_panels = panels
 
     def forward(self, x: Tensor, row_tile: int = 1, out_dtype: str = DTYPE) -> Tensor:
         fmt, stored = self.fmt, _stored(self)
@@ -299,13 +308,9 @@ class Linear(nn.Module):
                 Tensor.placeholder((n, k // 16), "float32"),
             ],
         )
-        # one row, a decode batch's tile, or the widest tile the registers hold
-        tile = 1 if row_tile == 1 else min(row_tile, DECODE_ROW_TILE)
-        if row_tile >= PREFILL_ROW_TILE:
-            tile = int8_matmul.ROW_TILE[self.int8]
-        out_features = self.weight_panels * int8_matmul.LANES
+        out_features = self.out_features
         y = op.tensor_ir_op(
-            _int8_matmul(self.fmt, int(k), out_features, tile, self.int8),
+            _int8_matmul(self.fmt, int(k), out_features, int8_row_tile(self.int8, row_tile), self.int8),
             "matmul_int8",
             [x8, dx, s16, *_stored(self)],
             Tensor.placeholder((n, out_features), "float32"),
