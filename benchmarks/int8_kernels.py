@@ -8,6 +8,14 @@ side by side in one process, on random GGML blocks.
 Prints microseconds per call and the ratio. `--isa avx2` compiles for
 Haswell (runs on any AVX2 host), `avx512vnni` for Zen 4 (needs the host to
 have it); `host` takes what this CPU has.
+
+    python benchmarks/int8_kernels.py --stream [--k 2048 --n 16384] [--threads 2]
+
+`--stream` measures batch-1 decode as a large model meets it: each call
+reads its weights from memory, not from a cache (copies of them, 512 MB in
+all, are taken in turn), and the 8-bit kernel's weight bandwidth in GB/s is
+printed without software prefetch and with it (`int8_matmul.PREFETCH_LINES`),
+in alternating rounds.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ def main() -> None:
     parser.add_argument("--formats", default="q8_0,q4_0,q4_1,q5_0,q4_k,q5_k,q6_k")
     parser.add_argument("--isa", default="host", choices=("host", "avx2", "avx512vnni"))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--stream", action="store_true", help="batch 1 from memory: GB/s with and without prefetch")
     args = parser.parse_args()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
 
@@ -62,6 +71,9 @@ def main() -> None:
     def build(func):
         return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
 
+    if args.stream:
+        stream(args, target, isa, build)
+        return
     print(f"{isa}, {k} x {n}, {args.threads} thread(s); microseconds per call")
     print(f"| format | rows | float32 | int8 (with rounding x) | ratio |")
     print("|---|---|---|---|---|")
@@ -92,6 +104,47 @@ def main() -> None:
                                  tvm.runtime.empty((rows, n), "float32", dev)])
             total = t_int8 + t_quantize
             print(f"| {fmt} | {rows} | {t_float:.1f} | {total:.1f} ({t_quantize:.1f}) | {t_float / total:.2f} |")
+
+
+def stream(args, target, isa: str, build) -> None:
+    """Batch-1 weight bandwidth from memory, prefetch off and on."""
+    import time
+
+    import tvm
+    from test_quantized_formats import random_blocks
+
+    from lockgate.plugins.tvm import int8_matmul
+    from lockgate.plugins.tvm.formats import FORMATS, pack_blocks
+    from lockgate.plugins.tvm.weights import to_panels
+
+    dev, k, n = tvm.cpu(), args.k, args.n
+    x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
+    xs = [tvm.runtime.tensor(x, dev), tvm.runtime.empty((1, k), "int8", dev),
+          tvm.runtime.empty((1, k // 32), "float32", dev), tvm.runtime.empty((1, k // 16), "float32", dev)]
+    build(int8_matmul.quantize_activations(k))["main"](*xs)
+    y = tvm.runtime.empty((1, n), "float32", dev)
+    print(f"{isa}, {k} x {n}, batch 1 from memory, {args.threads} thread(s); weight GB/s, median of 8 rounds")
+    print(f"| format | MB | no prefetch | prefetch {int8_matmul.PREFETCH_LINES} lines | ratio |")
+    print("|---|---|---|---|---|")
+    for fmt in args.formats.split(","):
+        parts = pack_blocks(random_blocks(fmt, n, k), n, k, fmt)
+        panels = [np.ascontiguousarray(to_panels(parts[p.name].T, int8_matmul.LANES)) for p in FORMATS[fmt].parts]
+        nbytes = sum(a.nbytes for a in panels)
+        copies = [[tvm.runtime.tensor(a, dev) for a in panels] for _ in range(max(2, int(512e6 // nbytes)))]
+        kernels = [build(int8_matmul.packed_matmul(fmt, k, n, 1, isa, lines))["main"]
+                   for lines in (0, int8_matmul.PREFETCH_LINES)]
+        seconds: list[list[float]] = [[], []]
+        for _ in range(8):
+            for kernel, times in zip(kernels, seconds):
+                for weights in copies:
+                    kernel(*xs[1:], *weights, y)
+                start = time.perf_counter()
+                for weights in copies:
+                    kernel(*xs[1:], *weights, y)
+                times.append((time.perf_counter() - start) / len(copies))
+        off, on = (nbytes / np.median(t) / 1e9 for t in seconds)
+        print(f"| {fmt} | {nbytes / 1e6:.1f} | {off:.1f} | {on:.1f} | {on / off:.2f} |")
+        del copies
 
 
 if __name__ == "__main__":
