@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from lockgate.engine import Engine, EngineObserver
+from lockgate.engine import EngineClient, EngineObserver
 
 # Buckets for a CPU or GPU server alike: sub-millisecond decode steps up to
 # tens of seconds of queueing.
@@ -20,7 +20,7 @@ class _EngineGauges(Collector):
     (so they can never drift from the truth)."""
 
     def __init__(self) -> None:
-        self.engines: list[Engine] = []
+        self.engines: list[EngineClient] = []
 
     def collect(self):
         families = {
@@ -50,11 +50,11 @@ class _EngineGauges(Collector):
         for engine in self.engines:
             stats = engine.stats()
             for key, family in families.items():
-                family.add_metric([engine.name], stats[key])
-            # engines on Ray Serve replicas (lockgate.plugins.ray) also say each one's share
-            for replica, figures in stats.get("replicas", {}).items():
+                family.add_metric([engine.name], stats.figure(key))
+            # engines with replicas (the Ray plugin's) also say each one's share
+            for replica, figures in (stats.replicas or {}).items():
                 for key, family in per_replica.items():
-                    family.add_metric([engine.name, replica], figures[key])
+                    family.add_metric([engine.name, replica], figures.figure(key))
         yield from families.values()
         yield from (family for family in per_replica.values() if family.samples)
 
@@ -94,7 +94,7 @@ class Metrics:
             "lockgate_requests", "HTTP requests to the API by outcome and error type.",
             ["outcome", "error_type"], registry=self.registry)
 
-    def observe_engine(self, engine: Engine) -> None:
+    def observe_engine(self, engine: EngineClient) -> None:
         """Report `engine`'s gauges and events from now on."""
         self._gauges.engines.append(engine)
         engine.observer = _EngineMetrics(self, engine.name)

@@ -171,6 +171,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefix_cache", bool, True,
             "keep finished sequences' KV pages, indexed by their tokens, for requests that share a prefix "
             "(evicted least recently used when pages are short); `--no-prefix-cache` turns it off"),
+    Setting("engine", str, None,
+            "what runs the model's requests: `local` (continuous batching in this process) or an engine "
+            "plugin's name (`lockgate_register_engines`; built in: `ray`, replicas on Ray Serve)",
+            default_text="`ray` where `--replicas` is given, else `local`", metavar="NAME"),
     Setting("replicas", str, None,
             "engine replicas on Ray Serve (`lockgate[ray]`): a number, or `auto` to scale between "
             "`--min-replicas` and `--max-replicas` on ongoing requests",
@@ -310,6 +314,13 @@ class Settings:
         from lockgate.models.executor import ExecutorOptions
 
         return ExecutorOptions(**self._held_by(ExecutorOptions), progress=progress)
+
+    @property
+    def engine_name(self) -> str:
+        """The engine `engine` names, or the one its default stands for."""
+        if self.engine:
+            return self.engine
+        return "local" if self.replicas is None else "ray"
 
     def engine_options(self):
         """The `EngineOptions` these settings hold."""

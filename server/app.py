@@ -22,7 +22,7 @@ from aiohttp import web
 from lockgate.logging import configure_logging
 from lockgate.memory import Trimmer
 from lockgate.metrics import Metrics
-from lockgate.models import Model, ServedModels, load_model_from_settings
+from lockgate.models import Model, ServedModels, load_served_model
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.server.config import Settings, serve_parser, settings_from_args
 from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS, TRIMMER
@@ -114,43 +114,40 @@ def _model_lifecycle(given: list[Model] | None):
 
 
 def load_from_settings(pm: pluggy.PluginManager, settings: Settings) -> Model:
-    """Load the model `settings` names, reporting progress in the log; with
-    `settings.replicas`, its engines run as replicas on Ray Serve."""
+    """Load the model `settings` names with the engine they choose
+    (`--engine`), reporting progress in the log."""
     def progress(message: str) -> None:
         log.info(message, model=settings.model)
 
-    if settings.replicas is not None:
-        from lockgate.plugins.ray import serve_on_ray
-
-        return serve_on_ray(pm, settings, progress=progress)
-    return load_model_from_settings(pm, settings, progress=progress)
+    return load_served_model(pm, settings, progress=progress)
 
 
-def serving_process() -> None:
-    """What a process started to serve sets up before it loads a model:
-    TVM's runtime library without its compiler
-    (`lockgate.plugins.tvm.prefer_runtime_library`)."""
-    from lockgate.plugins.tvm import prefer_runtime_library
-
-    prefer_runtime_library()
+def serving_process(pm: pluggy.PluginManager | None = None) -> pluggy.PluginManager:
+    """What a process started to serve does before it loads a model: every
+    plugin's `lockgate_serving_process` (the TVM plugin's: its runtime
+    library without the compiler). Returns the plugin manager (`pm`, or the
+    one `create_app` would build)."""
+    pm = pm or get_plugin_manager()
+    pm.hook.lockgate_serving_process()
+    return pm
 
 
 def app_from_env() -> web.Application:
     """Logging and settings from the environment (for gunicorn)."""
-    serving_process()
+    pm = serving_process()
     settings = Settings.from_env()
     configure_logging(settings.log_format, settings.log_level)
-    return create_app(settings)
+    return create_app(settings, pm=pm)
 
 
 def init_app(argv: list[str] | None = None) -> web.Application:
     """Entry for `python -m aiohttp.web ... lockgate.server.app:init_app [flags]`:
     extra flags are those of `lockgate serve` (host and port belong to aiohttp)."""
-    serving_process()
+    pm = serving_process()
     args = serve_parser().parse_args(argv or [])
     settings = settings_from_args(args)
     configure_logging(settings.log_format, settings.log_level)
-    return create_app(settings)
+    return create_app(settings, pm=pm)
 
 
 if __name__ == "__main__":  # pragma: no cover

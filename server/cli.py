@@ -29,7 +29,7 @@ def serve(settings: Settings, pm: pluggy.PluginManager | None = None) -> None:
     from lockgate.logging import configure_logging
     from lockgate.server.app import serving_process
 
-    serving_process()
+    pm = serving_process(pm)
     configure_logging(settings.log_format, settings.log_level)
     # Should native code ever crash the process despite the limits on what
     # reaches it, the crash leaves every thread's Python stack on stderr

@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lockgate.engine import RequestHandle, Usage
+from lockgate.engine import Handle, Usage
 from lockgate.errors import ModelNotFound, Unavailable
 from lockgate.plugin_api.pipeline import run_pipeline
 from lockgate.plugin_api.request import (
@@ -84,7 +84,7 @@ class _MergedDeltas:
     _DONE = object()
 
     def __init__(
-        self, request: web.Request, handles: list[RequestHandle], *, backlog_limit: int | None = None
+        self, request: web.Request, handles: list[Handle], *, backlog_limit: int | None = None
     ) -> None:
         self._request = request
         self._handles = handles
@@ -98,13 +98,8 @@ class _MergedDeltas:
         self._too_slow = False
         self._gone = False
         self._closed = False
-        self._tasks: list[asyncio.Task] = []
         for handle, offset in zip(handles, choice_offsets(handles)):
-            subscribe = getattr(handle, "subscribe", None)
-            if subscribe is not None:
-                subscribe(functools.partial(self._arrived, offset))
-            else:
-                self._tasks.append(asyncio.ensure_future(self._pump(handle, offset)))
+            handle.subscribe(functools.partial(self._arrived, offset))
         self._poll = self._loop.call_later(DISCONNECT_POLL_SECONDS, self._check_client)
 
     def _arrived(self, offset: int, item: Any) -> None:
@@ -126,17 +121,6 @@ class _MergedDeltas:
                     each.abort()
                 self._items.append(ClientTooSlow(f"more than {self._backlog_limit} deltas unread"))
         self._wake()
-
-    async def _pump(self, handle, offset: int) -> None:
-        try:
-            async for delta in handle:
-                self._arrived(offset, delta)
-                if self._too_slow:
-                    return
-        except Exception as exc:
-            self._arrived(offset, exc)
-        else:
-            self._arrived(offset, None)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -195,11 +179,9 @@ class _MergedDeltas:
     def close(self) -> None:
         self._closed = True
         self._poll.cancel()
-        for task in self._tasks:
-            task.cancel()
 
 
-def choice_offsets(handles: list[RequestHandle]) -> list[int]:
+def choice_offsets(handles: list[Handle]) -> list[int]:
     """Index in the response of each handle's first choice."""
     offsets, total = [], 0
     for handle in handles:
@@ -208,7 +190,7 @@ def choice_offsets(handles: list[RequestHandle]) -> list[int]:
     return offsets
 
 
-def _usage(handles: list[RequestHandle]) -> Usage:
+def _usage(handles: list[Handle]) -> Usage:
     return sum((handle.usage for handle in handles), Usage())
 
 
@@ -266,7 +248,7 @@ async def _collect(request, typed: GenerationRequest, handles, builder: Response
     return web.json_response(builder.completion(joined, finish_reasons, _usage(handles), logprobs, calls))
 
 
-async def open_event_stream(request: web.Request, handles: list[RequestHandle]):
+async def open_event_stream(request: web.Request, handles: list[Handle]):
     """Start a server-sent-event answer: the response, prepared (the
     headers are gone), and the merged deltas of `handles`, read with the
     slow-reader limit."""
@@ -419,7 +401,7 @@ async def health(request: web.Request) -> web.Response:
                 f"model {model.name} is not serving: "
                 + (model.engine.unhealthy_reason or "the server is shutting down")
             )
-    return web.json_response({"status": "ok", "models": {m.name: m.engine.stats() for m in models}})
+    return web.json_response({"status": "ok", "models": {m.name: m.engine.stats().as_dict() for m in models}})
 
 
 @routes.get("/metrics")

@@ -109,8 +109,8 @@ async def wait_idle(engine, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = engine.stats()
-        idle = stats["requests_running"] == 0 and stats["requests_waiting"] == 0
-        if idle and stats["kv_pages_used"] == 0 or time.monotonic() > deadline:
+        idle = stats.requests_running == 0 and stats.requests_waiting == 0
+        if idle and stats.kv_pages_used == 0 or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.02)
 

@@ -72,7 +72,7 @@ async def test_concurrent_greedy_equals_alone(fixture, request, make_openai):
     alone = [await ask(q) for q in questions]
     together = await asyncio.gather(*(ask(q) for q in questions))
     assert list(together) == alone
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
 
 
 def _chat_from_stream(chunks) -> dict:

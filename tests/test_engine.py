@@ -54,7 +54,7 @@ async def test_batched_greedy_equals_single(engine):
     alone = [(await run(engine, p, temperature=0))[1][0] for p in PROMPTS]
     together = await asyncio.gather(*(run(engine, p, f"r{i}", temperature=0) for i, p in enumerate(PROMPTS)))
     assert [t[1][0] for t in together] == alone
-    assert (await wait_idle(engine))["kv_pages_used"] == 0
+    assert (await wait_idle(engine)).kv_pages_used == 0
 
 
 async def test_n_choices_fork_the_prompt(engine):
@@ -64,7 +64,7 @@ async def test_n_choices_fork_the_prompt(engine):
     assert finish == {0: "length", 1: "length", 2: "length"}
     _, sampled, _ = await run(engine, PROMPTS[2], temperature=1.5, seed=3, n=3, max_tokens=24)
     assert len({tuple(t) for t in sampled.values()}) > 1
-    assert (await wait_idle(engine))["kv_pages_used"] == 0
+    assert (await wait_idle(engine)).kv_pages_used == 0
 
 
 @pytest.mark.parametrize("prompt", [[200], [5, 40]], ids=["one-token", "two-tokens"])
@@ -76,7 +76,7 @@ async def test_every_choice_of_a_short_prompt_is_generated(engine, prompt):
     _, tokens, finish = await run(engine, prompt, temperature=0, n=3, max_tokens=4)
     assert tokens == {0: single, 1: single, 2: single}
     assert finish == {0: "length", 1: "length", 2: "length"}
-    assert (await wait_idle(engine))["kv_pages_used"] == 0
+    assert (await wait_idle(engine)).kv_pages_used == 0
 
 
 async def test_text_is_the_decoded_tokens(engine, model):
@@ -157,16 +157,16 @@ async def test_admission_errors(engine, model):
     with pytest.raises(InvalidRequestError) as caught:
         engine.add(Work("e", [5], SamplingParams(n=64)))
     assert caught.value.subject == "n"  # the request field is the pipeline's to name
-    assert engine.stats()["requests_waiting"] == 0
+    assert engine.stats().requests_waiting == 0
 
 
 async def test_abort_frees_pages(engine):
     handle = engine.add(Work("x", PROMPTS[2], SamplingParams(max_tokens=400, ignore_eos=True)))
     await handle.__anext__()
-    assert engine.stats()["kv_pages_used"] > 0
+    assert engine.stats().kv_pages_used > 0
     handle.abort()
     stats = await wait_idle(engine)
-    assert stats["kv_pages_used"] == 0 and stats["requests_running"] == 0
+    assert stats.kv_pages_used == 0 and stats.requests_running == 0
 
 
 def test_sampling_filters_on_a_known_distribution():
@@ -235,7 +235,7 @@ async def test_shutdown_drains_then_fails_leftovers(load_instrumented):
             pass
     await stopping
     assert endless.usage.completion_tokens < model.context_length - len(PROMPTS[1])
-    assert engine.stats()["kv_pages_used"] == 0
+    assert engine.stats().kv_pages_used == 0
     with pytest.raises(Unavailable):
         engine.add(Work("late", PROMPTS[0], SamplingParams(max_tokens=2)))
     model.executor.decode_seconds = 0.0
@@ -265,7 +265,7 @@ async def test_preemption_by_recompute_leaves_output_unchanged(load_tiny):
         assert engine.preemptions > 0
         assert [t[1][0] for t in together[:4]] == alone
         assert together[4][1][0] == seeded_alone
-        assert (await wait_idle(engine))["kv_pages_used"] == 0
+        assert (await wait_idle(engine)).kv_pages_used == 0
     finally:
         await loop.run_in_executor(None, engine.shutdown)
 

@@ -13,6 +13,7 @@ import sys
 
 from conftest import wait_idle
 from lockgate import hookimpl
+from lockgate.engine.client import IteratedHandle
 from lockgate.plugin_api.manager import get_plugin_manager
 from zero_cost_executor import ZeroCostExecutors
 
@@ -61,7 +62,7 @@ async def test_the_zero_cost_executor_streams_its_known_answer_through_the_app(l
         assert usage["completion_tokens"] == 40 * n
     # the answer is words, not nothing: the check above has something to compare
     assert len(expected[prompts[0]].split()) > 5
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
 
 
 def test_the_benchmark_run_small_checks_every_answer():
@@ -79,10 +80,10 @@ def test_the_benchmark_run_small_checks_every_answer():
         assert row[-2:] == ["0", "0"], row  # none wrong, none failed
 
 
-class IteratingHandle:
-    """A plugin's handle that can only be iterated (as a remote engine's
-    are): the stream reads it with a task, not by subscribing. With `fail_after`
-    it fails the request after that many deltas."""
+class IteratingHandle(IteratedHandle):
+    """A plugin's handle written as an iterator alone (as a remote engine's
+    are): `IteratedHandle` reads it for the stream with a task. With
+    `fail_after` it fails the request after that many deltas."""
 
     def __init__(self, handle, fail_after=None):
         self._handle, self._fail_after, self._seen = handle, fail_after, 0
@@ -91,9 +92,6 @@ class IteratingHandle:
     @property
     def finished(self):
         return self._handle.finished
-
-    def __aiter__(self):
-        return self
 
     async def __anext__(self):
         if self._fail_after is not None and self._seen == self._fail_after:
@@ -104,6 +102,7 @@ class IteratingHandle:
         return await self._handle.__anext__()
 
     def abort(self):
+        self.stop_reading()
         self._handle.abort()
 
 
@@ -136,4 +135,4 @@ async def test_handles_that_can_only_be_iterated_stream_the_same(load_tiny, tiny
     streamed = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or ""
                        for e in events[:-2] if json.loads(e[6:]).get("choices"))
     assert expected.startswith(streamed) and streamed
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0

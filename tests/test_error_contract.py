@@ -214,7 +214,7 @@ async def test_context_length_exceeded(tiny_model, make_client, stream):
         await client.post("/v1/completions", json=completion), 400, "invalid_request_error",
         "context_length_exceeded", "prompt",
     )
-    assert (await wait_idle(tiny_model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(tiny_model.engine)).kv_pages_used == 0
 
 
 @pytest.mark.parametrize("route, body", [
@@ -267,7 +267,7 @@ async def test_queue_full_is_429_with_retry_after(load_tiny, make_client):
         else:
             body_ = await response.json()
             assert body_["usage"]["completion_tokens"] == 40
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
 
 
 async def test_shutting_down_is_503(load_tiny, make_client):

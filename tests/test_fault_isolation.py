@@ -122,7 +122,7 @@ async def test_executor_failure_fails_only_its_request(load_tiny, make_client):
     texts = [e for e in rest if isinstance(e, dict)]
     assert all("error" not in e for e in texts)
     assert texts[-1]["choices"][0]["finish_reason"] == "length"
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
     assert (await client.get("/health")).status == 200
     ok = await client.post(CHAT, json=GOOD)
     assert ok.status == 200
@@ -144,7 +144,7 @@ async def test_executor_failure_mid_stream_is_an_error_event(load_tiny, make_cli
     events = await read_events(response)
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["type"] == "server_error"
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
     assert (await client.post(CHAT, json=GOOD)).status == 200
 
 
@@ -158,7 +158,7 @@ async def test_repeated_failures_turn_health_to_503(load_tiny, make_client):
     assert "failed in a row" in (await health.json())["error"]["message"]
     refused = await client.post(CHAT, json=GOOD)
     assert refused.status == 503 and refused.headers["Retry-After"]
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
 
 
 def fault_plugin(hook, error):
@@ -198,7 +198,7 @@ async def test_exception_in_each_pipeline_hook(tiny_model, make_client, hook, st
     response = await client.post(CHAT, json=body, headers={"x-request-id": "fault-1"})
     assert response.status == status
     assert (await response.json())["error"]["message"] != "boom"
-    assert (await wait_idle(tiny_model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(tiny_model.engine)).kv_pages_used == 0
     assert (await client.post(CHAT, json=body, headers={"x-request-id": "fine-1"})).status == 200
 
 
@@ -226,7 +226,7 @@ async def test_failure_inside_a_step_for_one_request(load_tiny, make_client, mon
     assert bad.status == 500
     assert good.status == 200
     assert (await good.json())["usage"]["completion_tokens"] == 30
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
     assert model.engine.healthy
 
 
@@ -240,18 +240,18 @@ async def test_client_disconnect_frees_pages(load_tiny, make_client, monkeypatch
     response.close()
     await wait_for(aborted.is_set, what="abort of the request")
     stats = await wait_idle(model.engine)
-    assert stats == {**stats, "requests_running": 0, "requests_waiting": 0, "kv_pages_used": 0}
+    assert (stats.requests_running, stats.requests_waiting, stats.kv_pages_used) == (0, 0, 0)
     assert len(decodes) < 100  # aborted, not finished (480 asked)
 
     # gone while waiting for a whole completion
     model, aborted, decodes = holding_decodes_until_an_abort(load_tiny(), monkeypatch)
     client = await make_client(model)
     task = asyncio.ensure_future(client.post("/v1/completions", json=body))
-    await wait_for(lambda: model.engine.stats()["requests_running"] > 0, what="running request")
+    await wait_for(lambda: model.engine.stats().requests_running > 0, what="running request")
     task.cancel()
     await wait_for(aborted.is_set, what="abort of the request")
     stats = await wait_idle(model.engine)
-    assert stats["requests_running"] == 0 and stats["kv_pages_used"] == 0
+    assert stats.requests_running == 0 and stats.kv_pages_used == 0
     assert len(decodes) < 100
 
 
@@ -275,7 +275,7 @@ async def test_grammar_failure_fails_only_its_request(load_tiny, make_client, mo
     good, bad = await asyncio.gather(client.post(CHAT, json=plain), client.post(CHAT, json=constrained))
     assert bad.status == 500
     assert good.status == 200 and (await good.json())["usage"]["completion_tokens"] == 40
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
     assert model.engine.healthy
 
 
@@ -300,10 +300,10 @@ async def test_client_gone_during_the_pipeline_leaves_nothing_running(load_tiny,
         return 'lockgate_requests_total{error_type="",outcome="aborted"} 1.0' in text
 
     await wait_for(server_saw_the_client_leave)
-    assert model.engine.stats()["requests_waiting"] == 0 and not aborted.is_set()
+    assert model.engine.stats().requests_waiting == 0 and not aborted.is_set()
     gate.set()  # the pipeline now enqueues the request of a client that has left
     await wait_for(aborted.is_set, what="abort of the request")
     stats = await wait_idle(model.engine)
-    assert stats["requests_running"] == 0 and stats["requests_waiting"] == 0
-    assert stats["kv_pages_used"] == 0
+    assert stats.requests_running == 0 and stats.requests_waiting == 0
+    assert stats.kv_pages_used == 0
     assert len(decodes) < 100  # aborted, not finished (400 asked)

@@ -55,4 +55,4 @@ async def test_fuzzer_finding(tiny_model, make_client, name):
     check_answer(case, response.status, dict(response.headers), answer)
     if promise is not None:
         assert promise(json.loads(answer)), answer
-    assert (await wait_idle(tiny_model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(tiny_model.engine)).kv_pages_used == 0

@@ -39,7 +39,7 @@ def hook_phases() -> dict[str, str]:
         if line.startswith("# ---"):
             after_rule = True
             continue
-        if after_rule and (match := re.match(r"# ([A-Z][\w ]*?):", line)):
+        if after_rule and (match := re.match(r"# ([A-Z][\w -]*?):", line)):
             phase = match[1].lower()
         after_rule = False
         if match := re.match(r"def (lockgate_\w+)\(", line):
@@ -66,7 +66,7 @@ def test_hookspecs_are_found_and_grouped():
     assert HOOKSPECS, "no hookspecs found"
     phases = hook_phases()
     assert set(phases) == set(HOOKSPECS)
-    assert set(phases.values()) == {"request pipeline", "errors", "registration"}
+    assert set(phases.values()) == {"request pipeline", "errors", "registration", "start-up"}
 
 
 def test_readme_documents_every_hook_and_no_other():

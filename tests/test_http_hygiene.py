@@ -206,7 +206,7 @@ async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(
     text = await normal.text()
     assert normal.status == 200 and text.rstrip().endswith("data: [DONE]")
     stats = await wait_idle(model.engine)
-    assert stats["kv_pages_used"] == 0 and stats["requests_running"] == 0, stats
+    assert stats.kv_pages_used == 0 and stats.requests_running == 0, stats
     assert "client too slow: request aborted" in caplog.text
     # the stuck stream's connection is closed once its write times out
     try:

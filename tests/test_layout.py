@@ -49,3 +49,21 @@ def test_core_never_imports_the_server_or_aiohttp():
         assert not re.search(r"^\s*(from|import) (aiohttp|lockgate\.server)\b", text, re.M), path
     for path in (ROOT / "plugins").rglob("*.py"):
         assert not re.search(r"^\s*(from|import) lockgate\.server\b", path.read_text(), re.M), path
+
+
+def test_core_and_server_import_no_plugin():
+    """Plugins plug in through hooks: nothing in core/ or server/ imports
+    `lockgate.plugins` (the plugin manager names its built-ins as strings)."""
+    import ast
+
+    found = []
+    for package in ("core", "server"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("lockgate.plugins")]
+    assert not found, found

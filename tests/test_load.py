@@ -34,7 +34,7 @@ async def test_sixteen_concurrent_streams_equal_their_single_runs(load_tiny, mak
     together = await asyncio.gather(*(stream_text(client, q, **common) for q in QUESTIONS))
     assert list(together) == alone
     assert all(finish == "length" for _, finish in together)
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
 
 
 async def test_flood_beyond_the_queue_gets_429_and_no_5xx(load_tiny, make_openai):
@@ -58,7 +58,7 @@ async def test_flood_beyond_the_queue_gets_429_and_no_5xx(load_tiny, make_openai
     admitted = [r for r in results if r != "429"]
     # at least the queue's worth was admitted, and every admitted request completed
     assert len(admitted) >= 4 and all(r == 32 for r in admitted)
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
 
 
 async def test_burst_with_disconnects_and_preemption_leaves_nothing_behind(load_tiny, make_client):
@@ -85,7 +85,7 @@ async def test_burst_with_disconnects_and_preemption_leaves_nothing_behind(load_
     results = await asyncio.gather(*(client_run(i) for i in range(16)))
     assert [r for r in results if r is not None] == ["length"] * 8
     stats = await wait_idle(model.engine)
-    assert stats["requests_running"] == 0 and stats["requests_waiting"] == 0
+    assert stats.requests_running == 0 and stats.requests_waiting == 0
     # the gauges are read from the engine when scraped
     text = await (await client.get("/metrics")).text()
     for gauge in ("requests_running", "requests_waiting", "kv_pages_used"):

@@ -52,9 +52,9 @@ async def test_metrics_show_resident_memory_and_the_prefix_cache(tiny_model, mak
     client = await make_client(tiny_model)
     body = {"model": "tiny", "prompt": "the cat sat on the mat " * 8, "max_tokens": 2}
     assert (await client.post("/v1/completions", json=body)).status == 200
-    await wait_for(lambda: tiny_model.engine.stats()["requests_running"] == 0, what="an idle engine")
+    await wait_for(lambda: tiny_model.engine.stats().requests_running == 0, what="an idle engine")
     text = await (await client.get("/metrics")).text()
     resident = float(re.search(r"^process_resident_memory_bytes (\S+)$", text, re.M)[1])
     assert resident > 50 * 1024 * 1024
     sequences = float(re.search(r'^lockgate_prefix_cache_sequences\{model="tiny"\} (\S+)$', text, re.M)[1])
-    assert sequences == tiny_model.engine.stats()["prefix_cache_sequences"] >= 1
+    assert sequences == tiny_model.engine.stats().prefix_cache_sequences >= 1

@@ -109,7 +109,7 @@ async def test_template_refusal_is_a_400_and_the_server_lives_on(load_tiny, make
         extra_body={"ignore_eos": True},
     )
     assert reply.choices[0].finish_reason == "length"
-    assert (await wait_idle(model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(model.engine)).kv_pages_used == 0
 
 
 async def test_models_listing(tiny_model, make_openai):

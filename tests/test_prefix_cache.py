@@ -38,7 +38,7 @@ def pages_agree(model) -> None:
     engine = model.engine
     assert engine.scheduler.book.free == model.executor.free_pages()
     stats = engine.stats()
-    assert stats["kv_pages_used"] + stats["kv_pages_cached"] + model.executor.free_pages() == stats["kv_pages_total"]
+    assert stats.kv_pages_used + stats.kv_pages_cached + model.executor.free_pages() == stats.kv_pages_total
 
 
 @pytest.mark.parametrize("shared", [2 * PAGE, 2 * PAGE + 5], ids=["on-a-page-boundary", "mid-page"])
@@ -100,7 +100,7 @@ async def test_distinct_long_prompts_through_a_small_cache_never_fail(load_tiny,
         assert reply.choices[0].finish_reason == "length"
         pages_agree(model)
         stats = model.engine.stats()
-        assert stats["kv_pages_used"] == 0 and stats["kv_pages_cached"] <= stats["kv_pages_total"]
+        assert stats.kv_pages_used == 0 and stats.kv_pages_cached <= stats.kv_pages_total
     assert model.engine.preemptions == 0
 
 
@@ -127,14 +127,14 @@ async def test_forks_preemptions_and_aborts_with_cached_prefixes_leak_no_page(lo
 
     await asyncio.gather(*(one(i) for i in range(8)))
     for _ in range(200):  # aborts are processed by the engine thread
-        if model.engine.stats()["requests_running"] == 0:
+        if model.engine.stats().requests_running == 0:
             break
         await asyncio.sleep(0.05)
     assert model.engine.preemptions > 0
     text = await (await client.get("/metrics")).text()
     assert 'lockgate_kv_pages_used{model="tiny"} 0.0' in text
     cached = float(re.search(r'lockgate_kv_pages_cached\{model="tiny"\} (\S+)', text)[1])
-    assert cached == model.engine.stats()["kv_pages_cached"] > 0
+    assert cached == model.engine.stats().kv_pages_cached > 0
     hits = float(re.search(r'lockgate_prefix_cache_hits_total\{model="tiny"\} (\S+)', text)[1])
     queries = float(re.search(r'lockgate_prefix_cache_queries_total\{model="tiny"\} (\S+)', text)[1])
     assert queries >= 9 and hits >= len(system)
@@ -147,7 +147,7 @@ async def test_with_the_cache_off_nothing_is_cached(uncached, make_openai):
     for _ in range(2):
         reply = await client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
         assert reply.usage.prompt_tokens_details.cached_tokens == 0
-    assert uncached.engine.stats()["kv_pages_cached"] == 0
+    assert uncached.engine.stats().kv_pages_cached == 0
     assert uncached.executor.free_pages() == uncached.executor.total_pages
 
 

@@ -159,4 +159,4 @@ async def test_a_10000_deep_ref_chain_is_a_400_and_the_server_serves_on(tiny_mod
         response_format=schema_format(ref_chain(20)),
     )
     assert reply.choices[0].finish_reason in ("stop", "length")
-    assert (await wait_idle(tiny_model.engine))["kv_pages_used"] == 0
+    assert (await wait_idle(tiny_model.engine)).kv_pages_used == 0

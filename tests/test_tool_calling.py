@@ -169,7 +169,7 @@ async def test_bad_tool_requests_are_400s_before_the_engine(client, default_mode
             async for _ in out:
                 pass
         assert refused.value.body["param"] == param
-    assert default_model.engine.stats()["requests_waiting"] == before["requests_waiting"]
+    assert default_model.engine.stats().requests_waiting == before.requests_waiting
 
 
 # ------------------------------------------------------------------ a format from a plugin

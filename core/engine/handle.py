@@ -63,6 +63,9 @@ class RequestHandle:
     that merges many handles may `subscribe` instead of iterating.
     """
 
+    #: in process: no replica to name (`lockgate.engine.client.Handle`)
+    replica = None
+
     def __init__(self, engine: "Engine", work: Work, max_tokens: int) -> None:
         self.request_id = work.request_id
         self.work = work

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
+from lockgate.engine.client import EngineStats
 from lockgate.engine.handle import END, EngineObserver, RequestHandle
 from lockgate.engine.options import EngineOptions
 from lockgate.engine.sampling import SamplingRow
@@ -56,7 +57,8 @@ Events = list[tuple[RequestHandle, Any]]
 
 
 class Engine:
-    """Continuous batching over one executor."""
+    """Continuous batching over one executor, in this process (an
+    `EngineClient`)."""
 
     def __init__(
         self,
@@ -168,23 +170,24 @@ class Engine:
     def healthy(self) -> bool:
         return self.unhealthy_reason is None and not self._stopping
 
-    def stats(self) -> dict[str, Any]:
-        """Load and KV cache figures, and under "weights" what the weights
-        run as (`Executor.load_report`) when the executor says."""
+    def stats(self) -> EngineStats:
+        """Load and KV cache figures, and what the weights run as
+        (`Executor.load_report`) when the executor says."""
         with self._cond:
-            figures: dict[str, Any] = {
-                "requests_running": len(self.scheduler.running),
-                "requests_waiting": len(self.scheduler.waiting),
-                "kv_pages_total": self.executor.total_pages,
+            return EngineStats(
+                requests_running=len(self.scheduler.running),
+                requests_waiting=len(self.scheduler.waiting),
+                kv_pages_total=self.executor.total_pages,
                 # pages only the prefix cache holds are not "used": evicting
                 # them is free whenever a request needs the room
-                "kv_pages_used": self.executor.total_pages - self._kv_free_pages - self._kv_cached_pages,
-                "kv_pages_cached": self._kv_cached_pages,
-                "prefix_cache_sequences": self.scheduler.cached_sequences,
-            }
-        if self.executor.load_report is not None:
-            figures["weights"] = self.executor.load_report
-        return figures
+                kv_pages_used=self.executor.total_pages - self._kv_free_pages - self._kv_cached_pages,
+                kv_pages_cached=self._kv_cached_pages,
+                prefix_cache_sequences=self.scheduler.cached_sequences,
+                weights=self.executor.load_report,
+            )
+
+    def close(self) -> None:
+        """Nothing beyond the executor, which its `Model` closes."""
 
     # ----------------------------------------------------------- admission
 

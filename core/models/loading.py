@@ -12,7 +12,7 @@ from typing import Any
 
 import pluggy
 
-from lockgate.engine import Engine, EngineOptions
+from lockgate.engine import Engine, EngineClient, EngineOptions
 from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
 from lockgate.memory import trim_allocator
 from lockgate.models.executor import Executor, ExecutorFactory, ExecutorOptions, ModelFile
@@ -44,7 +44,7 @@ class Model:
     tokenizer: Any
     eos_token_ids: list[int]
     executor: Executor | None
-    engine: Engine
+    engine: EngineClient
     aliases: tuple[str, ...] = ()
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     #: how this model writes tool calls (`lockgate.plugin_api.tool_calls.ToolCallFormat`)
@@ -72,13 +72,11 @@ class Model:
         return max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
 
     def close(self) -> None:
-        """Release the executor, or the engine's replicas where it has some
-        elsewhere (`RayEngine.close`)."""
+        """Release the executor and what the engine holds beyond it (an
+        engine plugin's replicas)."""
         if self.executor is not None:
             self.executor.close()
-        close_engine = getattr(self.engine, "close", None)
-        if close_engine is not None:
-            close_engine()
+        self.engine.close()
 
     @property
     def vocab_size(self) -> int:
@@ -97,15 +95,36 @@ def registered_models(pm: pluggy.PluginManager) -> dict[str, ModelSpec]:
     return specs
 
 
+def _by_name(hook) -> dict[str, Any]:
+    """What the implementations of a `register(name, thing)` hook offer, by name."""
+    offered: dict[str, Any] = {}
+    hook(register=offered.__setitem__)
+    return offered
+
+
 def registered_executors(pm: pluggy.PluginManager) -> dict[str, ExecutorFactory]:
     """Every executor plugins offer, by name."""
-    factories: dict[str, ExecutorFactory] = {}
+    return _by_name(pm.hook.lockgate_register_executors)
 
-    def register(name: str, factory: ExecutorFactory) -> None:
-        factories[name] = factory
 
-    pm.hook.lockgate_register_executors(register=register)
-    return factories
+#: `load(pm, settings, progress)` -> Model: an engine plugin's loader
+EngineLoader = Callable[[pluggy.PluginManager, Any, Callable[[str], None]], "Model"]
+
+
+def registered_engines(pm: pluggy.PluginManager) -> dict[str, EngineLoader]:
+    """Every engine plugins offer, by name."""
+    return _by_name(pm.hook.lockgate_register_engines)
+
+
+def load_served_model(pm: pluggy.PluginManager, settings, progress: Callable[[str], None] | None = None) -> "Model":
+    """The model `settings` names, loaded by the engine they choose
+    (`Settings.engine_name`)."""
+    loaders = registered_engines(pm)
+    name = settings.engine_name
+    if name not in loaders:
+        known = ", ".join(sorted(loaders)) or "none"
+        raise ModelLoadError(f"no engine named {name!r} (engines: {known})")
+    return loaders[name](pm, settings, progress or (lambda message: None))
 
 
 def registered_families(pm: pluggy.PluginManager) -> ModelFamilies:

@@ -13,11 +13,13 @@ engine and the models import `hookimpl` from here):
   request, a `ChatRequest` or a `CompletionRequest`; its `body` holds the raw
   JSON for extension fields.
 * `Model` (`lockgate.models`), `ModelSpec` (`lockgate.models`).
-* `Work`, `Engine`, `RequestHandle` (`lockgate.engine`).
+* `Work`, `EngineClient`, `Handle` (`lockgate.engine`): the engine seam,
+  which the in-process `Engine` and engine plugins implement.
 * `ErrorResponse` (`lockgate.errors`).
 * `ModelFile`, `ExecutorOptions`, `Executor` (`lockgate.models.executor`).
 * `ModelFamily` (`lockgate.models.families`).
 * `ToolCallFormat` (`lockgate.plugin_api.tool_calls`).
+* `Settings` (`lockgate.settings`): every setting of `lockgate serve`.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from lockgate.engine import Engine, RequestHandle, Work
+    from lockgate.engine import EngineClient, Handle, Work
     from lockgate.errors import ErrorResponse
     from lockgate.models import Model, ModelSpec
     from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
     from lockgate.models.families import ModelFamily
     from lockgate.plugin_api.request import GenerationRequest
     from lockgate.plugin_api.tool_calls import ToolCallFormat
+    from lockgate.settings import Settings
 
 PROJECT_NAME = "lockgate"
 
@@ -102,7 +105,7 @@ def lockgate_tokenize(prompt: str, request: GenerationRequest, model: Model) -> 
 
 
 @hookspec(firstresult=True)
-def lockgate_enqueue(work: Work, engine: Engine) -> RequestHandle | None:
+def lockgate_enqueue(work: Work, engine: EngineClient) -> Handle | None:
     """Hand the prepared work to the engine.
 
     :param work: prompt token ids, sampling parameters and the request id.
@@ -163,6 +166,24 @@ def lockgate_register_executors(
 
 
 @hookspec
+def lockgate_register_engines(
+    register: Callable[[str, Callable[[pluggy.PluginManager, Settings, Callable[[str], None]], Model]], None],
+) -> None:
+    """Offer engines by name: what runs a model's requests.
+
+    :param register: call `register(name, load)`; `load(pm, settings,
+        progress)` loads the model `settings` names and returns a `Model`
+        whose `engine` is an `EngineClient` (`lockgate.engine.client`),
+        calling `progress(message)` as it goes. `--engine` chooses one by
+        name; `local` (built in) runs the engine in this process.
+    :returns: nothing; the return value is ignored.
+    :raises: `lockgate.errors.ModelLoadError` to stop start-up with a message.
+
+    Every implementation runs.
+    """
+
+
+@hookspec
 def lockgate_register_model_families(register: Callable[[ModelFamily], None]) -> None:
     """Offer model families: the architectures an executor can build.
 
@@ -201,6 +222,27 @@ def lockgate_register_tool_call_formats(register: Callable[[type[ToolCallFormat]
         `fits(chat_template)` says whether a model's template writes calls
         its way (the first registered format that fits is chosen; built-ins
         come last, the catch-all `generic` last of all).
+    :returns: nothing; the return value is ignored.
+    :raises: nothing by design; an exception stops start-up.
+
+    Every implementation runs.
+    """
+
+
+# -------------------------------------------------------------------------
+# Start-up: called once in a process started to serve, before a model loads.
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def lockgate_serving_process() -> None:
+    """Prepare a process that serves (`lockgate serve`, gunicorn, aiohttp's
+    launcher), before it loads a model.
+
+    Tests and tools that load models without serving do not call it. The
+    built-in TVM plugin makes the process load TVM's runtime library
+    without its compiler.
+
     :returns: nothing; the return value is ignored.
     :raises: nothing by design; an exception stops start-up.
 

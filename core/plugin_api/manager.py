@@ -27,8 +27,10 @@ DEFAULT_PLUGINS = (
     "lockgate.plugins.enqueue",
     "lockgate.plugins.errors",
     "lockgate.plugins.models",
+    "lockgate.plugins.engines",
     "lockgate.plugins.tool_formats",
     "lockgate.plugins.tvm",
+    "lockgate.plugins.ray",
 )
 
 DISABLED_PLUGINS_ENV = "LOCKGATE_DISABLED_PLUGINS"

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 import pluggy
 import structlog
 
-from lockgate.engine import RequestHandle, Work
+from lockgate.engine import Handle, Work
 from lockgate.engine.structured import Grammar, compile_json_schema
 from lockgate.engine.structured import compile_grammar as compile_lark
 from lockgate.errors import ContextLengthExceeded, InternalError, InvalidSchema, LockgateError, UnsupportedParameter
@@ -30,7 +30,7 @@ log = structlog.get_logger("lockgate.pipeline")
 
 async def run_pipeline(
     pm: pluggy.PluginManager, request: GenerationRequest, model: Model
-) -> list[RequestHandle]:
+) -> list[Handle]:
     """Prepare and enqueue `request`.
 
     Returns one handle per prompt (a completions request may carry several;
@@ -71,7 +71,7 @@ def errors_named_for(request: GenerationRequest) -> Iterator[None]:
 
 def prepare_request(
     pm: pluggy.PluginManager, request: GenerationRequest, model: Model
-) -> list[RequestHandle]:
+) -> list[Handle]:
     """The pipeline itself, synchronous (runs in a worker thread).
 
     `lockgate_validate_request` runs once per HTTP request; the other steps
@@ -84,7 +84,7 @@ def prepare_request(
         if isinstance(request, ChatRequest) and request.reads_tool_output:
             params = dataclasses.replace(params, **tool_call_params(request, model))
         prompts = request.split() if isinstance(request, CompletionRequest) else [request]
-        handles: list[RequestHandle] = []
+        handles: list[Handle] = []
         try:
             for one in prompts:
                 work = Work(request_id=one.id, prompt_token_ids=_prompt_token_ids(pm, one, model), params=params)

@@ -1,5 +1,5 @@
 """Scale-out on Ray Serve (`pip install 'lockgate[ray]'`, `lockgate serve
---replicas N`).
+--replicas N`): the engine `ray` (`lockgate_register_engines`).
 
 The front process keeps HTTP, the plugin pipeline (validate, template,
 tokenize, enqueue) and the error contract; its model's engine is a
@@ -22,11 +22,17 @@ from __future__ import annotations
 import pluggy
 
 from lockgate.models import Model, open_model
+from lockgate.plugin_api.hookspecs import hookimpl
 
 __all__ = ["application_name", "serve_on_ray"]
 
 #: the Ray namespace of the replica boards
 NAMESPACE = "lockgate"
+
+
+@hookimpl
+def lockgate_register_engines(register):
+    register("ray", serve_on_ray)
 
 
 def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None) -> Model:

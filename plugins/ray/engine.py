@@ -1,12 +1,12 @@
-"""The front's engine when the engines run on Ray Serve: `RayEngine` offers
-what the server asks of an `Engine` (`add`, `start`, `shutdown`, `healthy`,
-`stats`) and sends each request's work to a replica.
+"""The front's engine when the engines run on Ray Serve: `RayEngine` is an
+`EngineClient` (`lockgate.engine.client`) that sends each request's work to
+a replica.
 
 `add` runs in the pipeline's worker thread, like `Engine.add`, and returns
 only once a replica admitted the work or refused it, so a refusal (context
 length, overload, unavailable) is raised before the response starts, as
 from a local engine. The deltas then stream back through a
-`RemoteRequestHandle`, which reads like a `RequestHandle`.
+`RemoteRequestHandle`, a `Handle` like the local `RequestHandle`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any
 
 import structlog
 
-from lockgate.engine import Delta, EngineObserver, Usage, Work
+from lockgate.engine import Delta, EngineObserver, EngineStats, Usage, Work
+from lockgate.engine.client import IteratedHandle
 from lockgate.errors import Overloaded, Unavailable
 from lockgate.plugins.ray.wire import Admitted, Failed, Finished, to_wire
 
@@ -36,7 +37,7 @@ class ReplicaLost(Unavailable):
 
 
 class RayEngine:
-    """Engine replicas on Ray Serve, seen from the front."""
+    """Engine replicas on Ray Serve, seen from the front: an `EngineClient`."""
 
     def __init__(self, name: str, deployment, board, *, retry_after: int, prefix_affinity: bool,
                  description: dict[str, Any], on_close=None) -> None:
@@ -86,22 +87,10 @@ class RayEngine:
             return "no engine replica is serving"
         return None
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The engines' figures summed over the replicas, and each replica's
-        under "replicas"."""
-        totals: dict[str, Any] = collections.Counter()
-        for figures in self._replicas.values():
-            for key, value in figures.items():
-                if key.startswith(("requests_", "kv_pages_", "prefix_cache_")):
-                    totals[key] += value
-        for key in ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_cached", "kv_pages_total",
-                    "prefix_cache_sequences"):
-            totals.setdefault(key, 0)
-        return {**totals, "replicas": {replica: dict(f) for replica, f in sorted(self._replicas.items())}}
-
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """Each live replica's engine figures, by replica id."""
-        return {replica: dict(f) for replica, f in self._replicas.items()}
+        (with its health, pid and admitted count) under `replicas`."""
+        return EngineStats.summed({replica: EngineStats.from_dict(f) for replica, f in self._replicas.items()})
 
     async def _read_board_forever(self) -> None:
         from lockgate.plugins.ray.board import POST_EVERY
@@ -116,10 +105,6 @@ class RayEngine:
             except Exception:
                 log.warning("cannot read the replica board", exc_info=True)
             await asyncio.sleep(POST_EVERY)
-
-    async def read_board(self) -> None:
-        """Read the replicas' posts now (start-up, tests)."""
-        self._replicas, _ = await self._board.read.remote()
 
     # ----------------------------------------------------------- admission
 
@@ -165,7 +150,7 @@ class RayEngine:
         return RemoteRequestHandle(work, first, stream, self._retry_after, self._loop)
 
 
-class RemoteRequestHandle:
+class RemoteRequestHandle(IteratedHandle):
     """A request a replica admitted: an async iterator of `Delta`, like
     `RequestHandle`. Iteration raises the error the replica failed the
     request with, or `ReplicaLost` if the replica died."""
@@ -184,9 +169,6 @@ class RemoteRequestHandle:
         self._retry_after = retry_after
         self._loop = loop
         self._ready: collections.deque[Delta] = collections.deque()
-
-    def __aiter__(self) -> "RemoteRequestHandle":
-        return self
 
     async def __anext__(self) -> Delta:
         while not self._ready:
@@ -221,6 +203,7 @@ class RemoteRequestHandle:
 
     def abort(self) -> None:
         """Cancel the request at its replica (which frees its KV pages)."""
+        self.stop_reading()
         if not self.finished:
             self.finished = True
             # the pipeline aborts from its worker thread when a later prompt fails

@@ -134,7 +134,7 @@ class EngineReplica:
             raise RuntimeError(f"engine unhealthy: {self.engine.unhealthy_reason}")
 
     def figures(self) -> dict[str, Any]:
-        stats = self.engine.stats()
+        stats = self.engine.stats().as_dict()
         return {**stats, "requests_admitted": self.admitted, "healthy": self.engine.healthy,
                 "pid": os.getpid(), "at": time.time()}
 

@@ -82,6 +82,11 @@ def create_executor(model_file, options):
 
 
 @hookimpl
+def lockgate_serving_process():
+    prefer_runtime_library()
+
+
+@hookimpl
 def lockgate_register_executors(register):
     register("tvm", create_executor)
 
