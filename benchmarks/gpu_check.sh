@@ -26,7 +26,8 @@
 #
 #     GPU_CHECK_SMOKE=1 bash benchmarks/gpu_check.sh   # anywhere, on the CPU: tiny shapes, few steps
 #
-# GPU_CHECK_TARGET overrides the compile target (cuda; llvm in smoke mode).
+# GPU_CHECK_TARGET overrides the compile target (cuda; llvm in smoke mode),
+# GPU_CHECK_CAPS the six stage caps (seconds, space-separated).
 # WORKDIR (default a new temporary folder) keeps the model files; files
 # already there are reused.
 set -uo pipefail
@@ -54,6 +55,9 @@ else
     batches=1,16,64,256 hf_batches=1,16,64 decode_steps=32 figure_s=4 prefill=512
     levels=1,16,64,256 requests=256 max_tokens=32 kv_tokens=65536
     caps=(90 70 65 45 95 60)
+fi
+if [ -n "${GPU_CHECK_CAPS:-}" ]; then
+    read -r -a caps <<< "$GPU_CHECK_CAPS"
 fi
 
 elapsed() { echo $((SECONDS - start)); }

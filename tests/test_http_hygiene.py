@@ -198,6 +198,8 @@ async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(
     monkeypatch.setattr(web.StreamResponse, "write", write_unless_stuck)
     model = load_tiny()
     client = await make_client(model)
+    finished = []  # what the engine reports of each request it retires
+    monkeypatch.setattr(model.engine.observer, "request_finished", lambda **report: finished.append(report))
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
             "ignore_eos": True, "stream": True}
     slow = asyncio.ensure_future(client.post(CHAT, json=body, headers={"x-stuck": "1"}))
@@ -208,6 +210,10 @@ async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(
     stats = await wait_idle(model.engine)
     assert stats.kv_pages_used == 0 and stats.requests_running == 0, stats
     assert "client too slow: request aborted" in caplog.text
+    # the stuck request was aborted, not run to its 300 tokens (which would free its pages too)
+    outcomes = sorted((report["outcome"], report["completion_tokens"]) for report in finished)
+    assert len(outcomes) == 2 and outcomes[1] == ("success", 40), outcomes
+    assert outcomes[0][0] == "aborted" and outcomes[0][1] < 300, outcomes
     # the stuck stream's connection is closed once its write times out
     try:
         answer = await asyncio.wait_for(slow, 30)

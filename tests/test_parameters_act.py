@@ -137,6 +137,10 @@ async def test_each_parameter_changes_the_answer(complete, field):
         assert twice[0] == twice[1], only
         answers.append(twice[0])
     assert answers[0] != answers[1]
+    if field == "logprobs":  # an empty logprobs object would differ too: the figures must be there
+        logprobs = answers[1]["choices"][0]["logprobs"]
+        assert len(logprobs["token_logprobs"]) == 12 and all(lp <= 0 for lp in logprobs["token_logprobs"])
+        assert [len(top) for top in logprobs["top_logprobs"]] == [2] * 12
 
 
 async def test_penalties_break_repetition(complete):

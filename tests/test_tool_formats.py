@@ -168,6 +168,23 @@ RECORDED_CALL = {
 }
 
 
+#: the same call with `a` a word where the tool's schema asks for a number
+BAD_CALL = {name: call.replace('"a": 1', '"a": "one"') for name, call in RECORDED_CALL.items()}
+BAD_CALL["qwen3-coder"] = RECORDED_CALL["qwen3-coder"].replace("<parameter=a>\n1\n", "<parameter=a>\none\n")
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN_FORMATS))
+def test_a_call_its_tools_schema_refuses_is_refused_by_the_grammar(name, smollm2_tokenizer):
+    fmt = BUILT_IN_FORMATS[name]()
+    grammar = compile_grammar(fmt.grammar([WEATHER, ADD], required=True, max_calls=1), smollm2_tokenizer)
+    bad = BAD_CALL[name]
+    assert bad != RECORDED_CALL[name]
+    matcher = grammar.matcher()
+    with pytest.raises(ValueError, match="not allowed by the grammar"):
+        for token in smollm2_tokenizer.encode(bad, add_special_tokens=False):
+            matcher.accept(token)
+
+
 def test_qwen3_coder_reads_each_value_by_its_tools_schema():
     tool = Tool("find", None, {"type": "object", "properties": {
         "zip": {"type": "string"}, "n": {"type": ["integer", "string"]}, "tags": {"type": "array"},
