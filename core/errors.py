@@ -213,12 +213,3 @@ class ErrorResponse:
     code: str | None = None
     headers: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }

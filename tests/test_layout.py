@@ -1,4 +1,4 @@
-"""The README's layout map names every module of the three packages, and
+"""The layout map (docs/architecture.md) names every module of the three packages, and
 only modules that exist."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ PACKAGES = ("core", "plugins", "server")
 
 
 def layout_paths() -> set[str]:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "architecture.md").read_text()
     block = readme.split("<!-- layout -->", 1)[1].split("<!-- end of layout -->", 1)[0]
     paths, stack = set(), []
     for line in block.splitlines():
@@ -36,9 +36,9 @@ def test_the_layout_map_is_true():
     }
     folders = {str(path.relative_to(ROOT)) + "/" for package in PACKAGES for path in (ROOT / package).rglob("*") if path.is_dir() and path.name != "__pycache__"}
     missing = modules - mapped
-    assert not missing, f"modules the README's layout does not name: {sorted(missing)}"
+    assert not missing, f"modules docs/architecture.md's layout does not name: {sorted(missing)}"
     invented = {p for p in mapped if p.endswith(".py")} - modules
-    assert not invented, f"the README's layout names modules that do not exist: {sorted(invented)}"
+    assert not invented, f"docs/architecture.md's layout names modules that do not exist: {sorted(invented)}"
     for folder in {p for p in mapped if p.endswith("/") and p.split("/")[0] in PACKAGES and p.count("/") > 1}:
         assert folder in folders, folder
 

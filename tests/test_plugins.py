@@ -1,6 +1,6 @@
 """The plugin manager: built-ins, what may be blocked, async hooks refused,
 entry-point plugins from a real distribution, hook-call tracing. (The hook
-reference in the README is checked by test_hook_docs.py.)"""
+reference in docs/plugins.md is checked by test_hook_docs.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The settings table is the one source: the README shows it, and every entry
+"""The settings table is the one source: docs/configuration.md shows it, and every entry
 has a variable and a flag that parse to its type (datasette's
 `test_settings_are_documented`)."""
 
@@ -15,16 +15,16 @@ import pytest
 from lockgate.server.config import Settings, serve_parser, settings_from_args
 from lockgate.settings import SETTINGS, InvalidSetting, Setting, markdown_table
 
-README = Path(__file__).parent.parent / "README.md"
+CONFIGURATION = Path(__file__).parent.parent / "docs" / "configuration.md"
 START = "<!-- settings table: python -m lockgate.settings -->\n"
 END = "<!-- end of settings table -->\n"
 
 
 def test_readme_table_is_the_settings_table():
-    text = README.read_text()
-    assert START in text and END in text, "README lost the settings table's markers"
+    text = CONFIGURATION.read_text()
+    assert START in text and END in text, "docs/configuration.md lost the settings table's markers"
     documented = text[text.index(START) + len(START):text.index(END)]
-    assert documented == markdown_table(), "README is stale: paste `python -m lockgate.settings` between the markers"
+    assert documented == markdown_table(), "docs/configuration.md is stale: paste `python -m lockgate.settings` between the markers"
 
 
 def test_settings_fields_are_the_table():

@@ -84,9 +84,6 @@ _tokenizers: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], llguidance.LLT
 )
 _tokenizers_lock = threading.Lock()
 
-_executor: llguidance.LLExecutor | None = None
-_executor_lock = threading.Lock()
-
 
 class MatcherError(RuntimeError):
     """The matcher cannot go on (llguidance hit one of its parser limits).
@@ -122,7 +119,7 @@ def compile_json_schema(
     """Compile a JSON schema into a `Grammar` that generation must follow.
 
     `$defs`/`$ref` and recursive schemas work. Keywords fall in three
-    classes (the README's "Which schema keywords are enforced"): those the
+    classes (docs/features.md, "Which schema keywords are enforced"): those the
     grammar enforces; annotations (`title`, `description`, `default`,
     `examples`, unknown keywords), accepted and ignored; and keywords that
     change what is valid but that the grammar cannot enforce (`uniqueItems`,
@@ -592,10 +589,3 @@ def _llg_tokenizer(tokenizer, eos_token_ids: Sequence[int] | None) -> llguidance
             per_tokenizer[eos] = llg_tokenizer
     return llg_tokenizer
 
-
-def _shared_executor() -> llguidance.LLExecutor:
-    global _executor
-    with _executor_lock:
-        if _executor is None:
-            _executor = llguidance.LLExecutor()
-        return _executor

@@ -30,7 +30,6 @@ class ModelSpec:
     #: returns the GGUF path; raises `ModelLoadError` saying how to get it when absent
     locate: Callable[[], Path]
     aliases: tuple[str, ...] = ()
-    description: str = ""
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@ chat template a request with tools is rendered with.
 
 A model family writes tool calls its own way (a JSON envelope, Hermes'
 `<tool_call>` tags, Llama 3's bare JSON, Mistral's `[TOOL_CALLS]`). A
-`ToolCallFormat`, offered by a plugin through `lockgate_tool_call_format`,
+`ToolCallFormat`, offered by a plugin through `lockgate_register_tool_call_formats`,
 knows one way: how to tell a model about tools when its chat template
 cannot, the grammar that makes generation a well-formed call, and how to
 read calls back out of the generated text, whole or as it streams.
