@@ -25,7 +25,7 @@ import time
 
 import gguf
 
-from lockgate.engine import structured
+from lockgate.plugin_api import grammars
 from lockgate.native import run_with_large_stack
 from lockgate.plugins.models import locate_smollm2
 from lockgate.models.tokenizer import load_tokenizer
@@ -58,7 +58,7 @@ _worker_tokenizer = None
 
 
 def _load_llg_tokenizer():
-    return structured._llg_tokenizer(load_tokenizer(gguf.GGUFReader(locate_smollm2())), None)
+    return grammars._llg_tokenizer(load_tokenizer(gguf.GGUFReader(locate_smollm2())), None)
 
 
 def _worker_init() -> None:
@@ -67,7 +67,7 @@ def _worker_init() -> None:
 
 
 def _worker_check(schema) -> bool:
-    structured._compile(schema, False, _worker_tokenizer)
+    grammars._compile(schema, False, _worker_tokenizer)
     return True
 
 
@@ -93,12 +93,12 @@ def main() -> None:
     print(f"{'schema':16} {'way':22} {'best ms':>9} {'median ms':>10} {'overhead ms':>12}")
     for name, schema in SCHEMAS.items():
         ways = {
-            "inline": lambda: structured._compile(schema, False, llg),
+            "inline": lambda: grammars._compile(schema, False, llg),
             "large-stack thread": lambda: run_with_large_stack(
-                lambda: structured._compile(schema, False, llg)
+                lambda: grammars._compile(schema, False, llg)
             ),
             "checked in a process": lambda: (
-                pool.apply(_worker_check, (schema,)) and structured._compile(schema, False, llg)
+                pool.apply(_worker_check, (schema,)) and grammars._compile(schema, False, llg)
             ),
         }
         baseline = None

@@ -250,7 +250,7 @@ def test_the_format_reads_a_call_as_the_template_writes_it(name):
     "llguidance's tokenizer (lockgate.engine.structured)"
 ))
 def test_gemma4s_required_grammar_takes_its_own_marker_tokens():
-    from lockgate.engine.structured import compile_grammar
+    from lockgate.plugin_api.grammars import compile_grammar
     from lockgate.plugin_api.tool_calls import Tool
 
     name = "google-gemma-4-31B-it"

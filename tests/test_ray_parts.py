@@ -11,7 +11,7 @@ import pytest
 
 from lockgate.engine import Work
 from lockgate.engine.params import SamplingParams
-from lockgate.engine.structured import compile_json_schema
+from lockgate.plugin_api.grammars import compile_json_schema
 from lockgate.errors import ContextLengthExceeded, InvalidSchema, Overloaded
 from lockgate.plugins.ray.deployment import ReplicaPlan, deployment_options
 from lockgate.plugins.ray.routing import PrefixAffinityRouter

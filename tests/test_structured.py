@@ -1,4 +1,4 @@
-"""Structured output (lockgate.engine.structured) with real llguidance and real tokenizers.
+"""Structured output (lockgate.plugin_api.grammars compiles, lockgate.engine.structured runs) with real llguidance and real tokenizers.
 
 The central property: whatever a model's logits say, sampling through a
 matcher's mask until it finishes yields text that parses as JSON and
@@ -12,17 +12,20 @@ from __future__ import annotations
 import json
 
 import gguf
+import types
+
 import jsonschema
 import numpy as np
 import pytest
 
-from lockgate.engine import structured
 from lockgate.errors import InvalidSchema
+from lockgate.plugin_api import grammars
 from lockgate.engine.params import SamplingParams
 from conftest import sample_one
-from lockgate.engine.structured import Grammar, compile_json_schema
+from lockgate.engine.structured import Grammar
+from lockgate.plugin_api.grammars import compile_json_schema
 from lockgate.errors import InvalidRequestError
-from lockgate.plugin_api.pipeline import compile_grammar
+from lockgate.plugin_api.grammars import grammar_for
 from lockgate.plugin_api.request import CHAT_ENDPOINT, parse_request
 from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
 
@@ -87,7 +90,8 @@ def compile_format(tokenizer, eos_ids):
         body = {"messages": [{"role": "user", "content": "x"}]}
         if response_format is not None:
             body["response_format"] = response_format
-        return compile_grammar(parse_request(CHAT_ENDPOINT, body, request_id="t"), tokenizer, eos_ids)
+        model = types.SimpleNamespace(tokenizer=tokenizer, eos_token_ids=eos_ids, tool_call_format=None)
+        return grammar_for(parse_request(CHAT_ENDPOINT, body, request_id="t"), model)
 
     return compile_
 
@@ -292,9 +296,9 @@ def either(ref):
 )
 def test_schemas_past_a_limit_are_refused_before_llguidance(compile_format, monkeypatch, schema, limit):
     compiled, resolved = [], []
-    monkeypatch.setattr(structured, "_compile", lambda *args: compiled.append(args))
-    resolve = structured._resolve_ref
-    monkeypatch.setattr(structured, "_resolve_ref", lambda *args: resolved.append(args) or resolve(*args))
+    monkeypatch.setattr(grammars, "_compile", lambda *args: compiled.append(args))
+    resolve = grammars._resolve_ref
+    monkeypatch.setattr(grammars, "_resolve_ref", lambda *args: resolved.append(args) or resolve(*args))
     with pytest.raises(InvalidSchema) as caught:
         compile_format(json_schema_format(schema))
     error = caught.value
@@ -326,16 +330,16 @@ def test_schemas_within_the_limits_compile(compile_format, schema):
 _OVERFLOW = """
 import sys, threading
 import gguf
-from lockgate.engine import structured
+from lockgate.plugin_api import grammars
 from lockgate.native import run_with_large_stack
 from lockgate.plugins.models import locate_smollm2
 from lockgate.models.tokenizer import load_tokenizer
 
-llg = structured._llg_tokenizer(load_tokenizer(gguf.GGUFReader(locate_smollm2())), None)
+llg = grammars._llg_tokenizer(load_tokenizer(gguf.GGUFReader(locate_smollm2())), None)
 defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(10000)}
 defs["d10000"] = {"type": "integer"}
 schema = {"$defs": defs, "$ref": "#/$defs/d0"}  # far past the limits, which are bypassed here
-compile_ = lambda: structured._compile(schema, False, llg)
+compile_ = lambda: grammars._compile(schema, False, llg)
 if sys.argv[1] == "large-stack":
     run_with_large_stack(compile_)
 else:
@@ -413,10 +417,10 @@ def test_eos_is_allowed_exactly_when_the_output_may_end(compile_format, tokenize
 
 
 def test_llguidance_tokenizer_is_built_once_per_tokenizer(tokenizer, eos_ids):
-    built = structured._llg_tokenizer(tokenizer, eos_ids)
-    assert structured._llg_tokenizer(tokenizer, eos_ids) is built
-    structured.prepare_tokenizer(tokenizer, eos_token_ids=eos_ids)
-    assert structured._llg_tokenizer(tokenizer, eos_ids) is built
+    built = grammars._llg_tokenizer(tokenizer, eos_ids)
+    assert grammars._llg_tokenizer(tokenizer, eos_ids) is built
+    grammars.prepare_tokenizer(tokenizer, eos_token_ids=eos_ids)
+    assert grammars._llg_tokenizer(tokenizer, eos_ids) is built
 
 
 # ------------------------------------------------------------------ random walks

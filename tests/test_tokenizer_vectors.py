@@ -34,9 +34,9 @@ import time
 
 import pytest
 
-from lockgate.engine import structured
+from lockgate.plugin_api import grammars
 from lockgate.engine.detokenizer import IncrementalDetokenizer
-from lockgate.engine.structured import compile_json_schema
+from lockgate.plugin_api.grammars import compile_json_schema
 from lockgate.errors import ModelLoadError
 from lockgate.models.gguf_metadata import GGUFMetadata
 from lockgate.models.tokenizer import TokenBytes, eos_token_ids, load_tokenizer
@@ -234,7 +234,7 @@ def test_structured_output_sees_the_same_tokens(name):
     # SentencePiece vocabularies it must find the same bytes per token.
     metadata, tokenizer, _ = loaded(name)
     eos = eos_token_ids(metadata, tokenizer)
-    engine_tokenizer = structured._llg_tokenizer(tokenizer, eos)
+    engine_tokenizer = grammars._llg_tokenizer(tokenizer, eos)
     token_bytes = TokenBytes(tokenizer)
     differ = [
         i for i in range(len(tokenizer))

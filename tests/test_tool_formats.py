@@ -10,7 +10,7 @@ import re
 import jsonschema
 import pytest
 
-from lockgate.engine.structured import compile_grammar
+from lockgate.plugin_api.grammars import compile_grammar
 from lockgate.plugin_api.tool_calls import Tool
 from lockgate.plugins.tool_formats import BUILT_IN_FORMATS, format_for_template
 

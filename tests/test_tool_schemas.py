@@ -11,9 +11,9 @@ import logging
 
 import pytest
 
-from lockgate.engine.structured import compile_grammar, compile_json_schema
+from lockgate.plugin_api.grammars import compile_grammar, compile_json_schema
 from lockgate.errors import InvalidSchema
-from lockgate.plugin_api.pipeline import compile_schema
+from lockgate.plugin_api.grammars import compile_schema
 from lockgate.plugin_api.tool_calls import Tool, ToolCall
 from lockgate.plugins.tool_formats import BUILT_IN_FORMATS
 

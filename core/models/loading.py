@@ -192,7 +192,7 @@ def open_model(
     a Hugging Face model directory) and read what serving it needs short of
     an executor: the config and its family, the tokenizer (`chat_template`
     text overrides the model's template) and the tool-call format."""
-    from lockgate.engine.structured import prepare_tokenizer
+    from lockgate.plugin_api.grammars import prepare_tokenizer
     from lockgate.models import hf
     from lockgate.models.gguf_metadata import GGUFMetadata
     from lockgate.models.tokenizer import eos_token_ids, load_tokenizer

@@ -13,16 +13,15 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pluggy
 import structlog
 
 from lockgate.engine import Handle, Work
-from lockgate.engine.structured import Grammar, compile_json_schema
-from lockgate.engine.structured import compile_grammar as compile_lark
-from lockgate.errors import ContextLengthExceeded, InternalError, InvalidSchema, LockgateError, UnsupportedParameter
+from lockgate.errors import ContextLengthExceeded, InternalError, LockgateError
 from lockgate.models import Model
+from lockgate.plugin_api.grammars import grammar_for
 from lockgate.plugin_api.request import ChatRequest, CompletionRequest, GenerationRequest
 
 log = structlog.get_logger("lockgate.pipeline")
@@ -79,10 +78,9 @@ def prepare_request(
     """
     with errors_named_for(request):
         pm.hook.lockgate_validate_request(request=request, model=model)
-        grammar = compile_grammar(request, model.tokenizer, model.eos_token_ids)
-        params = request.sampling_params(grammar=grammar)
+        params = request.sampling_params(grammar=grammar_for(request, model))
         if isinstance(request, ChatRequest) and request.reads_tool_output:
-            params = dataclasses.replace(params, **tool_call_params(request, model))
+            params = dataclasses.replace(params, **tool_sampling(request, model))
         prompts = request.split() if isinstance(request, CompletionRequest) else [request]
         handles: list[Handle] = []
         try:
@@ -99,70 +97,11 @@ def prepare_request(
         return handles
 
 
-def compile_grammar(request: GenerationRequest, tokenizer, eos_token_ids: Sequence[int]) -> Grammar | None:
-    """The request's `response_format` as a grammar for the model with this
-    tokenizer, compiled (and checked) now so that a bad schema is a 400
-    before any byte is sent."""
-    output = request.response_format
-    if output is None:
-        return None
-    return compile_schema(
-        output.schema, tokenizer, eos_token_ids, strict=output.strict, param=request.param_for("schema")
-    )
-
-
-def compile_schema(schema, tokenizer, eos_token_ids: Sequence[int], *, strict: bool, param: str) -> Grammar:
-    """One rule for every schema a client sends (`response_format`, each
-    tool's parameters): compiled as the document it is; an error is a 400
-    naming `param`; in a schema that is not strict, the keywords the
-    grammar cannot enforce are accepted and named in a warning (strict, they
-    are the 400)."""
-    try:
-        grammar = compile_json_schema(schema, tokenizer, strict=strict, eos_token_ids=eos_token_ids)
-    except LockgateError as exc:
-        exc.param = param
-        raise
-    if grammar.unenforced:
-        log.warning("schema keywords accepted but not enforced", param=param, keywords=list(grammar.unenforced))
-    return grammar
-
-
-def tool_call_params(request: ChatRequest, model: Model) -> dict:
-    """What tools change in how the engine samples: a grammar that makes
-    the output a call (`required`, a named tool), a call or an answer
-    (`auto`, where the format can say so), or an answer in the format's
-    own shape (`none` after earlier calls, where it has one); and the
-    format's markers kept in the text. Every tool's parameters are compiled
-    first, as `response_format` is, so a bad schema is a 400 naming its
-    tool. A call list ends: at most `model.max_tool_calls` calls, or one
-    without `parallel_tool_calls`."""
+def tool_sampling(request: ChatRequest, model: Model) -> dict:
+    """What tools change in how the engine samples besides the grammar
+    (`grammars.grammar_for`): the format's markers kept in the text."""
     fmt = model.tool_call_format
-    if fmt is None:
-        raise UnsupportedParameter("this model has no tool-call format", param="tools")
-    changes: dict = {"skip_special_tokens": not fmt.keeps_special_tokens and request.skip_special_tokens}
-    if not request.uses_tools:  # tool_choice "none" in a conversation that used tools
-        lark = fmt.answer_grammar()
-        if lark is not None:
-            changes["grammar"] = compile_lark(lark, model.tokenizer, eos_token_ids=model.eos_token_ids)
-        return changes
-    for i, tool in enumerate(request.offered_tools):
-        compile_schema(tool.parameters, model.tokenizer, model.eos_token_ids, strict=tool.strict,
-                       param=request.tool_parameters_param(i))
-    choice = request.effective_tool_choice
-    required = choice == "required" or choice.startswith("function:")
-    max_calls = model.max_tool_calls if request.parallel_tool_calls else 1
-    lark = fmt.grammar(request.forced_tools, required=required, max_calls=max_calls)
-    if lark is not None:
-        try:
-            changes["grammar"] = compile_lark(lark, model.tokenizer, eos_token_ids=model.eos_token_ids)
-        except InvalidSchema as exc:  # each compiled alone: it is their sum
-            field = "tools" if request.tools else "functions"
-            raise InvalidSchema(
-                f"the {len(request.forced_tools)} tools' parameters compile one by one but not together "
-                f"({exc.message}); send fewer tools or smaller schemas",
-                param=field,
-            ) from exc
-    return changes
+    return {"skip_special_tokens": not fmt.keeps_special_tokens and request.skip_special_tokens}
 
 
 def _refuse_what_cannot_fit(prompt: str, model: Model) -> None:

@@ -18,7 +18,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from lockgate.engine.structured import JSON_LAYOUT, closed_objects
+from lockgate.plugin_api.grammars import JSON_LAYOUT, closed_objects
 
 
 @dataclasses.dataclass(frozen=True)

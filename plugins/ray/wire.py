@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from lockgate.engine import Work
-from lockgate.engine.structured import rebuild_grammar
+from lockgate.plugin_api.grammars import rebuild_grammar
 
 #: prompt tokens per affinity block (the KV page size of the built-in executor)
 AFFINITY_BLOCK = 16
