@@ -437,7 +437,10 @@ class Prepared:
 def test_a_serving_process_is_prepared_by_every_plugin(monkeypatch):
     from lockgate.server.app import serving_process
 
-    monkeypatch.delenv("TVM_USE_RUNTIME_LIB", raising=False)
+    # set, then deleted: monkeypatch then restores the variable's absence
+    # afterwards (a later test's compile in a child must not inherit it)
+    monkeypatch.setenv("TVM_USE_RUNTIME_LIB", "unset by this test")
+    monkeypatch.delenv("TVM_USE_RUNTIME_LIB")
     monkeypatch.delitem(sys.modules, "tvm", raising=False)  # as if TVM were not imported yet
     plugin = Prepared()
     pm = get_plugin_manager(autoload=False, plugins=[plugin])

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from lockgate.errors import InvalidSchema
-from lockgate.plugin_api import grammars
+from lockgate.plugin_api import grammars, schema_limits
 from lockgate.engine.params import SamplingParams
 from conftest import sample_one
 from lockgate.engine.structured import Grammar
@@ -297,8 +297,8 @@ def either(ref):
 def test_schemas_past_a_limit_are_refused_before_llguidance(compile_format, monkeypatch, schema, limit):
     compiled, resolved = [], []
     monkeypatch.setattr(grammars, "_compile", lambda *args: compiled.append(args))
-    resolve = grammars._resolve_ref
-    monkeypatch.setattr(grammars, "_resolve_ref", lambda *args: resolved.append(args) or resolve(*args))
+    resolve = schema_limits._resolve_ref
+    monkeypatch.setattr(schema_limits, "_resolve_ref", lambda *args: resolved.append(args) or resolve(*args))
     with pytest.raises(InvalidSchema) as caught:
         compile_format(json_schema_format(schema))
     error = caught.value
