@@ -8,7 +8,8 @@ keeps the scale and the block's sums; `packed_matmul` then takes, for 16
 output columns (one weight panel) and four consecutive inputs, the 64 code
 bytes side by side (the word orders `formats.py` documents), and adds their
 products with four activations in one instruction: `vpdpbusd` with AVX-512
-VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2. Per scale group (32 inputs, 16
+VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2 (two groups of four inputs sharing
+one `vpmaddwd` where their int16 sums fit). Per scale group (32 inputs, 16
 for Q6_K) the integer sums turn into float32 once:
 
     y += a · dx · Σ q·x8  +  b · dx · Σ x8
@@ -246,6 +247,33 @@ def _dot(isa: str, acc, codes, x4, signed: bool):
     return acc + both
 
 
+def _pairs_fit_int16(isa: str, fmt: str) -> bool:
+    """Whether `_dot_pair` may add two groups' int16 pair sums before they
+    widen: with AVX2 and unsigned codes of at most 6 bits (63 · 127 · 4 <
+    32768); Q8_0's signed codes are 8 bits."""
+    return isa == "avx2" and fmt != "q8_0"
+
+
+def _dot_pair(acc, codes, x4s):
+    """AVX2: acc plus the products of two groups of four inputs (`codes[h]`
+    times the activations in `x4s[h]`), their int16 pair sums added before
+    one widening `vpmaddwd`: two instructions fewer per row and eight inputs
+    than `_dot` twice (`_pairs_fit_int16` says when)."""
+    ones = _bcast(tirx.const(1, "int16"), 16)
+    halves = []
+    for h in range(2):
+        pairs = None
+        for group, x4 in zip(codes, x4s):
+            part = tirx.Shuffle([group], [tirx.const(i, "int32") for i in range(32 * h, 32 * h + 32)])
+            x32 = tirx.reinterpret("int8x32", _bcast(x4, 8))
+            sums = tirx.call_llvm_pure_intrin(
+                "int16x16", "llvm.x86.avx2.pmadd.ub.sw", tirx.reinterpret("int8x32", part), x32
+            )
+            pairs = sums if pairs is None else pairs + sums
+        halves.append(tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, ones))
+    return acc + tirx.Shuffle(halves, [tirx.const(i, "int32") for i in range(16)])
+
+
 def packed_matmul(
     fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: str, prefetch_lines: int = PREFETCH_LINES
 ) -> tirx.PrimFunc:
@@ -287,13 +315,20 @@ def packed_matmul(
                             k8 = g * (group // 8) + k8_in
                             for prefetch in weights.prefetch(k8, k8_in, prefetch_lines):
                                 T.evaluate(prefetch)
-                            for half in range(2):
-                                codes = weights.codes(k8, half)
-                                chain = (k8_in * 2 + half) % chains
-                                for r in range(row_tile):
-                                    x4 = tirx.reinterpret("int32", x8[row_of[r], _ramp(k8 * 8 + half * 4, 4)])
-                                    at = _ramp((r * chains + chain) * LANES, LANES)
-                                    T.buffer_store(acci, _dot(isa, acci[at], codes, x4, weights.signed), [at])
+                            codes = [weights.codes(k8, half) for half in range(2)]
+                            for r in range(row_tile):
+                                x4s = [
+                                    tirx.reinterpret("int32", x8[row_of[r], _ramp(k8 * 8 + half * 4, 4)])
+                                    for half in range(2)
+                                ]
+                                if _pairs_fit_int16(isa, fmt):
+                                    at = _ramp((r * chains + k8_in % chains) * LANES, LANES)
+                                    T.buffer_store(acci, _dot_pair(acci[at], codes, x4s), [at])
+                                    continue
+                                for half in range(2):
+                                    at = _ramp((r * chains + (k8_in * 2 + half) % chains) * LANES, LANES)
+                                    dot = _dot(isa, acci[at], codes[half], x4s[half], weights.signed)
+                                    T.buffer_store(acci, dot, [at])
                         a, b = weights.scale_and_offset(g)
                         for r in range(row_tile):
                             scale = dx[row_of[r], g * group // 32]
