@@ -370,6 +370,12 @@ class TVMExecutor(Executor):
             logits = logits[: len(rows)]
         return self._sampler.sample_batch(self._sampler.rows(logits.tensor, logits.index), rows)
 
+    def set_instrument(self, instrument) -> None:
+        """Have the VM call `instrument(func, name, before, result, *args)`
+        before and after every function it calls (returning 0 to go on):
+        per-kernel timing for `benchmarks/step_profile.py`."""
+        self._vm["set_instrument"](runtime.tvm_ffi.convert(instrument))
+
     def close(self) -> None:
         if self._closed:
             return
