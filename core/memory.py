@@ -19,7 +19,7 @@ burst of large requests costs one trim. A trim of a fragmented gigabyte
 takes milliseconds and touches nothing in use. Other allocators (musl,
 jemalloc) return memory their own way: there `Trimmer` does nothing.
 
-Measured alternatives (benchmarks/README.md, "Memory under a mixed load"):
+Measured alternatives (docs/benchmarks.md, "Memory under a mixed load"):
 a fixed `M_MMAP_THRESHOLD` held memory as flat but sent every
 multi-megabyte temporary of sampling (logits copies, float64 softmax rows)
 through mmap and page faults at every step, a quarter of the throughput;
