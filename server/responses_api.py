@@ -22,7 +22,7 @@ from aiohttp import web
 
 from lockgate.errors import LockgateError
 from lockgate.plugin_api.pipeline import run_pipeline
-from lockgate.plugin_api.request import Message, string
+from lockgate.plugin_api.readers import Message, string
 from lockgate.plugin_api.responses import ResponsesRequest, parse_responses_request
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.server.keys import HANDLES, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, USAGE

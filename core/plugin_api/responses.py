@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from lockgate.errors import InvalidRequestError, UnsupportedParameter
-from lockgate.plugin_api.request import (
-    ChatRequest,
+from lockgate.plugin_api.readers import (
     Message,
     OutputFormat,
     _content,
@@ -28,13 +27,12 @@ from lockgate.plugin_api.request import (
     boolean,
     integer,
     json_type,
-    param,
     read_arguments,
-    read_fields,
     read_response_format,
     read_tools,
     string,
 )
+from lockgate.plugin_api.request import ChatRequest, param, read_fields
 from lockgate.plugin_api.tool_calls import Tool, ToolCall
 
 RESPONSES_ENDPOINT = "responses"
