@@ -29,6 +29,36 @@ configure_logging("console", "info")
 
 TINY_EXECUTOR = dict(max_num_seqs=8, max_total_tokens=4096, prefill_chunk_size=256)
 
+#: fixtures that load a model compiled by TVM (the executor's tests compile their own)
+_COMPILED_FIXTURES = {"load_tiny", "tiny_model", "load_instrumented", "default_model", "default_model_int8"}
+#: what in a test module's source says it compiles with TVM itself
+_COMPILES = ("import tvm", "from tvm", "compile_model", "create_executor", "tvm.compile")
+#: modules that drive whole processes (servers, soaks, scripts) for a minute or more
+_SLOW_MODULES = {"test_fuzz", "test_soak", "test_gpu_check_smoke", "test_launch", "test_ray_serve", "test_agents_sdk"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test by what it needs, so the fast tier runs alone
+    (`pytest -m "not tvm and not ray and not default_model and not slow"`):
+    `tvm` where it compiles or loads a compiled model, `default_model` where
+    it loads the real default model, `ray` for the Ray plugin's tests,
+    `slow` for whole-process runs."""
+    compiles: dict[str, bool] = {}
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module not in compiles:
+            source = pathlib.Path(item.module.__file__).read_text()
+            compiles[module] = any(marker in source for marker in _COMPILES)
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if compiles[module] or fixtures & _COMPILED_FIXTURES:
+            item.add_marker(pytest.mark.tvm)
+        if fixtures & {"default_model", "default_model_int8"}:
+            item.add_marker(pytest.mark.default_model)
+        if "ray" in module:
+            item.add_marker(pytest.mark.ray)
+        if module in _SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> pathlib.Path:
