@@ -8,6 +8,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from lockgate.engine import EngineClient, EngineObserver
+from lockgate.memory import allocator_stats
 
 # Buckets for a CPU or GPU server alike: sub-millisecond decode steps up to
 # tens of seconds of queueing.
@@ -59,6 +60,23 @@ class _EngineGauges(Collector):
         yield from (family for family in per_replica.values() if family.samples)
 
 
+class _AllocatorGauges(Collector):
+    """The C allocator's memory in use and freed-but-kept (glibc only): when
+    resident memory grows, these say whether live allocations grew (a leak)
+    or the allocator kept what was freed (gone at the next trim)."""
+
+    def collect(self):
+        stats = allocator_stats()
+        if stats is None:
+            return
+        yield GaugeMetricFamily("lockgate_allocator_in_use_bytes",
+                                "C allocator memory held by live allocations (glibc mallinfo2).",
+                                value=stats.in_use)
+        yield GaugeMetricFamily("lockgate_allocator_free_bytes",
+                                "C allocator memory freed but kept for reuse until a trim (glibc mallinfo2).",
+                                value=stats.free_kept)
+
+
 class Metrics:
     """All lockgate metrics of one server, in their own registry."""
 
@@ -67,6 +85,7 @@ class Metrics:
         # process_resident_memory_bytes, process_open_fds, ...: growth shows
         # here before a container's memory limit finds it
         ProcessCollector(registry=self.registry)
+        self.registry.register(_AllocatorGauges())
         self._gauges = _EngineGauges()
         self.registry.register(self._gauges)
         self.ttft = Histogram(

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from conftest import wait_for
-from lockgate.memory import LARGE_BODY_BYTES, Trimmer
+from lockgate.memory import LARGE_BODY_BYTES, Trimmer, allocator_stats
 from lockgate.server.keys import TRIMMER
 
 CHAT = "/v1/chat/completions"
@@ -32,6 +32,19 @@ async def test_trims_are_rate_limited_and_close_stops_the_thread():
     assert not trimmer._thread.is_alive()
     trimmer.after_large_work()  # after close: nothing, no error
     assert trimmer.trims == 2
+
+
+def test_allocator_stats_count_live_allocations_not_freed_ones():
+    if allocator_stats() is None:
+        pytest.skip("not glibc: no mallinfo2")
+    import numpy as np
+
+    before = allocator_stats().in_use
+    block = np.ones(64 * 1024 * 1024, dtype=np.uint8)  # 64 MiB from malloc, its own mapping
+    held = allocator_stats().in_use
+    assert held - before >= 64 * 1024 * 1024
+    del block
+    assert allocator_stats().in_use <= held - 60 * 1024 * 1024
 
 
 async def test_a_large_body_asks_for_a_trim_a_small_one_does_not(tiny_model, make_client):
@@ -56,5 +69,9 @@ async def test_metrics_show_resident_memory_and_the_prefix_cache(tiny_model, mak
     text = await (await client.get("/metrics")).text()
     resident = float(re.search(r"^process_resident_memory_bytes (\S+)$", text, re.M)[1])
     assert resident > 50 * 1024 * 1024
+    if allocator_stats() is not None:
+        in_use = float(re.search(r"^lockgate_allocator_in_use_bytes (\S+)$", text, re.M)[1])
+        assert in_use > 1024 * 1024
+        assert re.search(r"^lockgate_allocator_free_bytes \S+$", text, re.M)
     sequences = float(re.search(r'^lockgate_prefix_cache_sequences\{model="tiny"\} (\S+)$', text, re.M)[1])
     assert sequences == tiny_model.engine.stats().prefix_cache_sequences >= 1

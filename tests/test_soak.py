@@ -29,9 +29,13 @@ def soak(*args: str) -> str:
 
 
 def test_a_60_second_mixed_soak_finds_nothing():
-    # a minute holds the first growth of arenas and caches; the bound that
-    # matters (3 % over the second half) is for the 30-minute run
-    out = soak("--max-growth", "10")
+    # What a leak raises, the allocator's memory in use, has a floor that
+    # moved 0.1 % over a clean minute's second half. Resident memory saws by
+    # a fifth within seconds here (freed memory kept until a trim: +12 to
+    # +16 % in clean minutes), so a minute bounds it only loosely; the tight
+    # bound on it (3 %) is for the 30-minute run.
+    out = soak("--max-growth", "5", "--max-rss-growth", "30")
+    assert "allocator memory in use growth over the second half" in out
     for kind in ("chat-stream-sampled", "malformed-or-oversized", "hang-up", "slow-reader"):
         assert f"\n{kind} " in out, kind
     assert "{'4xx-expected'" in out.split("\nmalformed-or-oversized ")[1].splitlines()[0]
@@ -39,7 +43,7 @@ def test_a_60_second_mixed_soak_finds_nothing():
 
 def test_a_60_second_soak_with_faults_finds_nothing():
     out = soak("--profile", "faults", "--concurrency", "12", "--fault-every", "150", "--max-queue", "16",
-               "--max-num-seqs", "4", "--burst-every", "15", "--max-growth", "5")
+               "--max-num-seqs", "4", "--burst-every", "15", "--max-growth", "5", "--max-rss-growth", "30")
     # every kind of client was exercised, the faults too
     for kind in ("chat-stream", "completion-n2-seeded", "json-schema", "malformed", "disconnect-mid-stream",
                  "disconnect-mid-pipeline", "slow-reader", "over-long", "burst"):
