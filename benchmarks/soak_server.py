@@ -24,9 +24,9 @@ class FaultyExecutor:
             self.fault_log.write(f"{time.time()} {kind}\n")
             raise RuntimeError(f"injected {kind} fault")
 
-    def prefill(self, seq_ids, token_ids):
+    def prefill(self, seq_ids, token_ids, all_positions=None):
         self._maybe_fail("prefill")
-        return self.real.prefill(seq_ids, token_ids)
+        return self.real.prefill(seq_ids, token_ids, all_positions)
 
     def decode(self, seq_ids, token_ids):
         self._maybe_fail("decode")

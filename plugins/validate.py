@@ -56,8 +56,6 @@ def check_unsupported(request: GenerationRequest) -> None:
             param="chat_template",
         )
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise UnsupportedParameter("echo is not supported by this server", param="echo")
         if request.suffix:
             raise UnsupportedParameter("suffix is not supported by this server", param="suffix")
         if request.best_of is not None and request.best_of != request.n:

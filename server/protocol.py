@@ -16,6 +16,7 @@ Parsing a body into a typed request is the plugin API's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -163,6 +164,33 @@ def error_body(answer: ErrorResponse) -> dict[str, Any]:
     }
 
 
+class Echo:
+    """Completions' `echo`: each choice's answer starts with its prompt.
+
+    `apply` puts the prompt's text in front of a choice's first delta and,
+    when the request asked for logprobs, the prompt tokens' logprobs (which
+    the engine hands over on that delta) in front of its logprobs: the
+    first prompt token with a null logprob and null alternatives, as
+    OpenAI reports it.
+
+    :param prompts: per choice index, the prompt's text and token ids.
+    """
+
+    def __init__(self, prompts: dict[int, tuple[str, list[int]]]) -> None:
+        self._waiting = dict(prompts)
+
+    def apply(self, index: int, delta: Delta) -> Delta:
+        prompt = self._waiting.pop(index, None)
+        if prompt is None:
+            return delta
+        text, token_ids = prompt
+        logprobs = delta.logprobs
+        if delta.prompt_logprobs is not None:
+            first = TokenLogprob(token_id=token_ids[0], logprob=None, top=None)
+            logprobs = [first, *delta.prompt_logprobs[1:], *(logprobs or ())]
+        return dataclasses.replace(delta, text=text + delta.text, logprobs=logprobs)
+
+
 class ResponseBuilder:
     """Builds the JSON of one response (or its stream chunks) for an endpoint.
 
@@ -205,8 +233,9 @@ class ResponseBuilder:
             self._offsets[index] = offsets[-1] + len(text(e.token_id))
         return {
             "tokens": [text(e.token_id) for e in entries],
+            # an echoed prompt's first token has no logprob (nothing before it)
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [None if e.top is None else {text(t): lp for t, lp in e.top} for e in entries],
             "text_offset": offsets,
         }
 

@@ -31,7 +31,7 @@ from lockgate.plugin_api.request import (
 )
 from lockgate.server.keys import HANDLES, METRICS, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS, USAGE
 from lockgate.server.middlewares import require_api_key
-from lockgate.server.protocol import ResponseBuilder, error_body, error_response, model_card, read_json_body
+from lockgate.server.protocol import Echo, ResponseBuilder, error_body, error_response, model_card, read_json_body
 
 log = structlog.get_logger("lockgate.server")
 
@@ -209,10 +209,11 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
     tool_format = None
     if isinstance(typed, ChatRequest) and typed.reads_tool_output and model.tool_call_format is not None:
         tool_format = model.tool_call_format.with_tools(typed.offered_tools)
+    echo = _echo(typed, handles, model) if typed.echoes_prompt else None
     try:
         if typed.stream:
-            return await _stream(request, typed, handles, builder, tool_format)
-        return await _collect(request, typed, handles, builder, tool_format)
+            return await _stream(request, typed, handles, builder, tool_format, echo)
+        return await _collect(request, typed, handles, builder, tool_format, echo)
     except ConnectionResetError:
         log.info("client disconnected while waiting for its completion")
         return web.Response(status=499)  # nginx's "client closed request", for the log
@@ -222,7 +223,20 @@ async def _generate(request: web.Request, endpoint: str) -> web.StreamResponse:
             handle.abort()
 
 
-async def _collect(request, typed: GenerationRequest, handles, builder: ResponseBuilder, tool_format) -> web.Response:
+def _echo(typed: CompletionRequest, handles: list[Handle], model) -> Echo:
+    """Each choice's prompt, as sent (a token-id prompt decoded), for `echo`."""
+    prompts = {}
+    for one, handle, offset in zip(typed.split(), handles, choice_offsets(handles)):
+        token_ids = handle.work.prompt_token_ids
+        text = one.prompt if isinstance(one.prompt, str) else model.tokenizer.decode(
+            token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        for index in range(offset, offset + handle.n):
+            prompts[index] = (text, token_ids)
+    return Echo(prompts)
+
+
+async def _collect(request, typed: GenerationRequest, handles, builder: ResponseBuilder, tool_format,
+                   echo: Echo | None) -> web.Response:
     with_logprobs = typed.requested_logprobs() is not None
     texts: dict[int, list[str]] = {}
     finish_reasons: dict[int, str | None] = {}
@@ -232,6 +246,8 @@ async def _collect(request, typed: GenerationRequest, handles, builder: Response
             texts[index] = []
             logprobs[index] = [] if with_logprobs else None
     async for index, delta in _MergedDeltas(request, handles):
+        if echo is not None:
+            delta = echo.apply(index, delta)
         texts[index].append(delta.text)
         if delta.logprobs:
             logprobs[index].extend(delta.logprobs)
@@ -293,7 +309,7 @@ def _frame(payload: Any) -> bytes:
 
 
 async def _stream(
-    request, typed: GenerationRequest, handles, builder: ResponseBuilder, tool_format
+    request, typed: GenerationRequest, handles, builder: ResponseBuilder, tool_format, echo: Echo | None
 ) -> web.StreamResponse:
     response, deltas = await open_event_stream(request, handles)
 
@@ -302,13 +318,14 @@ async def _stream(
 
     try:
         return await _write_stream(
-            request, response, send, deltas, handles, builder, typed.include_usage, tool_format
+            request, response, send, deltas, handles, builder, typed.include_usage, tool_format, echo
         )
     finally:
         deltas.close()
 
 
-async def _write_stream(request, response, send, deltas, handles, builder, include_usage, tool_format):
+async def _write_stream(request, response, send, deltas, handles, builder, include_usage, tool_format,
+                        echo=None):
     try:
         if builder.chat:
             await send(*(builder.role_chunk(index, include_usage) for index in range(sum(h.n for h in handles))))
@@ -316,6 +333,8 @@ async def _write_stream(request, response, send, deltas, handles, builder, inclu
         async for batch in deltas.batches():
             frames: list[bytes] = []
             for index, delta in batch:
+                if echo is not None:
+                    delta = echo.apply(index, delta)
                 if tool_format is not None:
                     reader = readers.setdefault(index, tool_format.stream())
                     frames += map(_frame, _tool_stream_chunks(builder, reader, index, delta, include_usage))

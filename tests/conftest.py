@@ -249,9 +249,9 @@ class InstrumentedExecutor:
     def _record(self, kind, rows):
         (self.steps[-1] if self.in_step else self.outside_steps).append((kind, rows))
 
-    def prefill(self, seq_ids, token_ids):
+    def prefill(self, seq_ids, token_ids, all_positions=None):
         self._record("prefill", {s: len(t) for s, t in zip(seq_ids, token_ids)})
-        return self.real.prefill(seq_ids, token_ids)
+        return self.real.prefill(seq_ids, token_ids, all_positions)
 
     def decode(self, seq_ids, token_ids):
         self._record("decode", {s: 1 for s in seq_ids})

@@ -110,11 +110,19 @@ class FakeExecutor(Executor):
 
     # ------------------------------------------------------------ forward passes
 
-    def prefill(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+    def prefill(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]],
+                all_positions: Sequence[bool] | None = None) -> np.ndarray:
         if sum(len(t) for t in token_ids) > self.prefill_chunk_size or not all(token_ids):
             raise ValueError("a prefill call carries 1 .. prefill_chunk_size tokens per chunk")
         self.calls.append(("prefill", {s: len(t) for s, t in zip(seq_ids, token_ids)}))
-        return np.stack([self._append(s, t) for s, t in zip(seq_ids, token_ids)])
+        rows = []
+        for i, (seq_id, chunk) in enumerate(zip(seq_ids, token_ids)):
+            if all_positions is not None and all_positions[i]:
+                # every position's row: the logits after each token in turn
+                rows += [self._append(seq_id, [token]) for token in chunk]
+            else:
+                rows.append(self._append(seq_id, chunk))
+        return np.stack(rows)
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         if len(seq_ids) > self.max_num_seqs:

@@ -19,11 +19,11 @@ class PoisonedExecutor:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def prefill(self, seq_ids, token_ids):
+    def prefill(self, seq_ids, token_ids, all_positions=None):
         for seq_id, tokens in zip(seq_ids, token_ids):
             if POISON in tokens:
                 self.decodes.setdefault(seq_id, 0)
-        return self.real.prefill(seq_ids, token_ids)
+        return self.real.prefill(seq_ids, token_ids, all_positions)
 
     def decode(self, seq_ids, token_ids):
         for seq_id in seq_ids:

@@ -33,11 +33,11 @@ class FaultyExecutor:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def prefill(self, seq_ids, token_ids):
+    def prefill(self, seq_ids, token_ids, all_positions=None):
         self.calls += 1
         if self.fail("prefill", token_ids):
             raise RuntimeError("injected prefill failure")
-        return self.real.prefill(seq_ids, token_ids)
+        return self.real.prefill(seq_ids, token_ids, all_positions)
 
     def decode(self, seq_ids, token_ids):
         self.calls += 1

@@ -6,6 +6,7 @@ as a wrong token or a miscounted page."""
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -242,8 +243,9 @@ TOKENS = st.integers(3, VOCAB - 1)
             st.lists(TOKENS, min_size=1, max_size=12),  # the rest of its prompt
             st.one_of(st.none(), st.integers(0, 7)),  # the earlier request it follows up
             st.integers(1, 3),  # n
-            st.integers(1, 12),  # max_tokens
+            st.integers(0, 12),  # max_tokens (0: the prompt's logprobs alone)
             st.integers(0, 6),  # steps before it arrives
+            st.booleans(),  # whether it asks for its prompt's logprobs
         ),
         min_size=1,
         max_size=8,
@@ -251,24 +253,27 @@ TOKENS = st.integers(3, VOCAB - 1)
     total_pages=st.integers(14, 40),
     budget=st.integers(1, 24),
     prefix_cache=st.booleans(),
+    logprob_rows=st.integers(1, 9),
 )
 def test_any_schedule_generates_exactly_what_each_request_would_alone(
-    tokenizer, prefixes, requests, total_pages, budget, prefix_cache
+    tokenizer, prefixes, requests, total_pages, budget, prefix_cache, logprob_rows
 ):
     """Whatever arrives when, however small the step budget and the cache,
     with preemptions, forks and prefix-cache hits (prompts share prefixes; a
     follow-up resends an earlier prompt and its answer, as a chat turn
     does): each choice's tokens are those greedy decoding of its prompt
-    gives on its own, the scheduler's page book agrees with the executor
-    after every step, and every page comes back (the cached ones once the
-    cache is emptied)."""
+    gives on its own, prompt logprobs are those of each prefix's logits
+    (however few rows a step may return), the scheduler's page book agrees
+    with the executor after every step, and every page comes back (the
+    cached ones once the cache is emptied)."""
     executor = FakeExecutor(
         vocab_size=VOCAB, page_size=4, total_pages=total_pages, max_num_seqs=4,
         prefill_chunk_size=16, max_sequence_length=64,
     )
     engine = engine_on(executor, tokenizer, prefix_cache=prefix_cache, max_num_batched_tokens=budget, max_n=3)
+    engine.scheduler.prompt_logprob_rows = logprob_rows
     prompts: dict[int, list[int]] = {}
-    for i, (prefix, rest, follows, _, max_tokens, _) in enumerate(requests):
+    for i, (prefix, rest, follows, _, max_tokens, _, _) in enumerate(requests):
         if follows is not None and follows < i:
             earlier = prompts[follows]
             prompts[i] = earlier + expected_greedy(executor, earlier, requests[follows][4]) + rest
@@ -281,7 +286,8 @@ def test_any_schedule_generates_exactly_what_each_request_would_alone(
         while pending and requests[pending[0]][5] <= step:
             i = pending.pop(0)
             prompt, n, max_tokens = prompts[i][:60], requests[i][3], requests[i][4]
-            params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, temperature=0)
+            params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                                    prompt_logprobs=2 if requests[i][6] else None)
             try:
                 engine.add(Work(str(i), prompt, params))
             except Exception as exc:  # too big for this cache or context even alone: refused up front
@@ -298,8 +304,18 @@ def test_any_schedule_generates_exactly_what_each_request_would_alone(
         for choice in state.choices:
             assert choice.output_ids == want
         assert state.handle.usage.cached_tokens <= len(prompt) - 1
-        if not prefix_cache:
+        if not prefix_cache or state.params.prompt_logprobs is not None:
             assert state.handle.usage.cached_tokens == 0
+        if state.params.prompt_logprobs is not None:
+            assert state.prompt_logprobs[0] is None and len(state.prompt_logprobs) == len(prompt)
+            for q, entry in enumerate(state.prompt_logprobs[1:], 1):
+                row = executor._logits(prompt[:q]).astype(np.float64)
+                logprobs = row - row.max() - np.log(np.exp(row - row.max()).sum())
+                assert entry.token_id == prompt[q]
+                assert entry.logprob == pytest.approx(logprobs[prompt[q]], abs=1e-5)
+                assert [t for t, _ in entry.top] == list(np.argsort(-row, kind="stable")[:2])
+        else:
+            assert state.prompt_logprobs is None
     assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages
     empty(engine.scheduler)
     assert executor.free_pages() == executor.total_pages and not executor.tokens

@@ -122,7 +122,10 @@ BAD = [
     (COMPLETIONS, completion(prompt=[[1], []]), "prompt", "invalid_value"),
     (COMPLETIONS, completion(prompt=[[1], [-4]]), "prompt", "invalid_value"),
     (COMPLETIONS, completion(logprobs=21), "logprobs", "invalid_value"),
-    (COMPLETIONS, completion(echo=True), "echo", "unsupported_parameter"),
+    (COMPLETIONS, completion(echo=1), "echo", "invalid_value"),
+    (COMPLETIONS, completion(max_tokens=0), "max_tokens", "invalid_value"),
+    (COMPLETIONS, completion(max_tokens=-1, echo=True), "max_tokens", "invalid_value"),
+    (CHAT, chat(max_completion_tokens=0), "max_completion_tokens", "invalid_value"),
     (COMPLETIONS, completion(suffix="x"), "suffix", "unsupported_parameter"),
     (COMPLETIONS, completion(best_of=3), "best_of", "unsupported_parameter"),
 ]

@@ -68,12 +68,15 @@ class ZeroCostExecutor(FakeExecutor):
         if len(tokens) > self.max_sequence_length:
             raise ValueError(f"sequence {seq_id} is longer than {self.max_sequence_length}")
 
-    def prefill(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+    def prefill(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]],
+                all_positions: Sequence[bool] | None = None) -> np.ndarray:
         if sum(len(t) for t in token_ids) > self.prefill_chunk_size or not all(token_ids):
             raise ValueError("a prefill call carries 1 .. prefill_chunk_size tokens per chunk")
         for seq_id, tokens in zip(seq_ids, token_ids):
             self._append_cheaply(seq_id, tokens)
-        return self._logits(np.array([int(t[-1]) for t in token_ids], dtype=np.int64))
+        every = all_positions or [False] * len(token_ids)
+        last = [list(t) if all_rows else [t[-1]] for t, all_rows in zip(token_ids, every)]
+        return self._logits(np.array([int(token) for tokens in last for token in tokens], dtype=np.int64))
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         if len(seq_ids) > self.max_num_seqs:

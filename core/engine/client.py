@@ -88,6 +88,8 @@ class Handle(Protocol):
     `Delta` that raises the error the request failed with, or a callback
     fed the same (`subscribe`)."""
 
+    #: what was enqueued: the prompt's token ids and the sampling parameters
+    work: Work
     #: choices the request generates
     n: int
     #: token counts, complete once the last delta is read

@@ -25,12 +25,12 @@ import numpy as np
 import structlog
 
 from lockgate.engine.client import EngineStats
-from lockgate.engine.handle import END, EngineObserver, RequestHandle
+from lockgate.engine.handle import END, Delta, EngineObserver, RequestHandle
 from lockgate.engine.options import EngineOptions
-from lockgate.engine.sampling import SamplingRow
+from lockgate.engine.sampling import SamplingRow, logprobs_of
 from lockgate.engine.scheduler import Scheduler
 from lockgate.engine.state import Choice, RequestState
-from lockgate.engine.stop import StopChecker
+from lockgate.engine.stop import LENGTH, StopChecker
 from lockgate.engine.work import Work
 from lockgate.errors import (
     ChoicesExceedCache,
@@ -323,20 +323,53 @@ class Engine:
             self._sample(ready, logits if rows == list(range(len(logits))) else logits[rows], events)
 
     def _run_prefill(self, chunks: list[tuple[Choice, list[int]]], events: Events) -> None:
+        # chunks of prompts whose logprobs are asked for return every row
+        every = [choice.request.wants_prompt_logprobs for choice, _ in chunks]
         try:
-            logits = self.executor.prefill([c.seq_id for c, _ in chunks], [t for _, t in chunks])
+            seq_ids, token_ids = [c.seq_id for c, _ in chunks], [t for _, t in chunks]
+            if any(every):
+                logits = self.executor.prefill(seq_ids, token_ids, every)
+            else:
+                logits = self.executor.prefill(seq_ids, token_ids)
         except Exception as exc:
             self._executor_failed(exc, {c.request for c, _ in chunks}, events)
             return
         self._consecutive_failures = 0
         done: list[tuple[int, Choice]] = []
-        for row, (choice, tokens) in enumerate(chunks):
+        row = 0
+        for (choice, tokens), all_rows in zip(chunks, every):
+            first_row, row = row, row + (len(tokens) if all_rows else 1)
+            if all_rows:
+                try:
+                    self._note_prompt_logprobs(choice, logits, first_row, len(tokens))
+                except Exception:
+                    log.exception("prompt logprobs failed", request_id=choice.request.request_id)
+                    self._retire(choice.request, ERROR, InternalError("prompt logprobs failed for this request"),
+                                 events)
+                    continue
             self.scheduler.advance(choice, len(tokens))
             if not choice.pending_count():  # else more of the prompt is to come
-                done.append((row, choice))
+                done.append((row - 1, choice))
         ready, rows = self._forked_when_prompt_is_in(done, events)
         if ready:
             self._sample(ready, logits[rows], events)
+
+    def _note_prompt_logprobs(self, choice: Choice, logits, first_row: int, count: int) -> None:
+        """Take the prompt logprobs a chunk's rows give: the chunk starts at
+        position `choice.kv_len`, and its row `j` (logits row `first_row +
+        j`) is the distribution of the token at position `kv_len + j + 1`."""
+        state = choice.request
+        found = state.prompt_logprobs
+        start = choice.kv_len
+        first = len(found)  # the first position still without one
+        last = min(start + count, len(state.prompt_ids) - 1)
+        if first < start + 1:
+            raise RuntimeError(f"prompt logprobs from position {first} missing, the chunk starts at {start}")
+        positions = range(first, last + 1)
+        found += logprobs_of(
+            logits, [first_row + q - start - 1 for q in positions], [state.prompt_ids[q] for q in positions],
+            state.params.prompt_logprobs,
+        )
 
     def _forked_when_prompt_is_in(
         self, done: list[tuple[int, Choice]], events: Events
@@ -374,6 +407,13 @@ class Engine:
         sampled: list[Choice] = []
         logit_rows: list[int] = []
         for i, choice in enumerate(choices):
+            state = choice.request
+            if state.max_tokens == 0:
+                # nothing to generate (an echo of the prompt's logprobs)
+                events.append((state.handle, Delta(choice.index, "", [], LENGTH,
+                                                   prompt_logprobs=state.prompt_logprobs)))
+                self._finish_choice(choice, events)
+                continue
             allowed = None
             if choice.matcher is not None:
                 try:
@@ -408,6 +448,8 @@ class Engine:
                 continue
             if state.first_token_at is None:
                 state.first_token_at = now
+            if state.prompt_logprobs is not None and len(choice.output_ids) == 1:
+                delta.prompt_logprobs = state.prompt_logprobs
             events.append((state.handle, delta))
             if delta.finish_reason is not None:
                 self._finish_choice(choice, events)

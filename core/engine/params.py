@@ -36,6 +36,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     #: None: no logprobs; otherwise how many alternatives to report per token
     logprobs: int | None = None
+    #: None: none; otherwise each prompt token's logprob (the first's None,
+    #: having no context) with this many alternatives, on the first delta
+    prompt_logprobs: int | None = None
     #: a compiled `response_format` grammar (`lockgate.engine.structured.Grammar`), or None
     grammar: object | None = None
 

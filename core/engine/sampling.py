@@ -297,6 +297,24 @@ def _draw_narrow(x: np.ndarray, params: SamplingParams, inverse: np.float32, uni
     return int(candidates[_first_above(e[None, :], np.array([uniform]))[0]])
 
 
+#: rows of logits one pass of `logprobs_of` works on (its float32 scratch)
+_LOGPROB_ROWS = 32
+
+
+def logprobs_of(logits, rows: Sequence[int], tokens: Sequence[int], top_n: int) -> list[TokenLogprob]:
+    """Each token's log-probability under its row of `logits` (numpy, or
+    an executor's logits object taking `logits[list_of_rows]`) with the
+    `top_n` most likely tokens: the prompt logprobs. Works `_LOGPROB_ROWS`
+    rows at a time, so no more than that many vocabulary-sized rows are
+    copied at once."""
+    out: list[TokenLogprob] = []
+    for start in range(0, len(rows), _LOGPROB_ROWS):
+        part = np.asarray(logits[list(rows[start:start + _LOGPROB_ROWS])], dtype=np.float32)
+        for values, token in zip(_log_softmax(part), tokens[start:start + _LOGPROB_ROWS]):
+            out.append(_token_logprob(values, int(token), top_n))
+    return out
+
+
 def _token_logprob(values: np.ndarray, token: int, top_n: int) -> TokenLogprob:
     top: list[tuple[int, float]] = []
     if top_n:

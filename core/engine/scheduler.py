@@ -24,6 +24,12 @@ page accounting has one home (`PageBook`). It touches the executor only
 through that part of its interface (`add_sequence`, `fork_sequence`,
 `remove_sequence`, `free_pages` and the sizes), and it is not thread-safe:
 the engine calls it under its lock.
+
+A request that asks for its prompt's logprobs needs every prompt position's
+logits: its prompt is prefilled in chunks of at most `prompt_logprob_rows`
+positions a step (all such chunks of a step together), and never taken from
+the prefix cache, so the logprobs are computed, the same whether or not the
+prefix was cached.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ from lockgate.engine.state import Choice, RequestState
 from lockgate.errors import Overloaded
 
 log = structlog.get_logger("lockgate.engine")
+
+#: most logits (rows times vocabulary) one step's prefill returns for prompt
+#: logprobs: 64 MiB of float32, 341 prompt positions a step at a vocabulary
+#: of 49,152, 128 at Llama 3's 128,256
+PROMPT_LOGPROB_LOGITS = 1 << 24
 
 
 @dataclasses.dataclass
@@ -90,6 +101,8 @@ class Scheduler:
         self.running: list[RequestState] = []
         self.preemptions = 0
         self._seq_ids = itertools.count()
+        #: prompt positions whose logits one step may return for prompt logprobs
+        self.prompt_logprob_rows = max(1, PROMPT_LOGPROB_LOGITS // kv.vocab_size)
 
     # ------------------------------------------------------------ arithmetic
 
@@ -145,7 +158,7 @@ class Scheduler:
         one's prompt that is longer than any the cache holds: admitted now,
         it would compute that prefix a second time; a step or two later, it
         forks from it (a burst of requests with one system prompt)."""
-        if self.cache is None or state.preemptions or not self.running:
+        if self.cache is None or state.preemptions or not self.running or state.wants_prompt_logprobs:
             return False
         tokens = state.prompt_array
         cached = self.cache.longest_prefix(tokens, len(tokens) - 1)
@@ -170,7 +183,8 @@ class Scheduler:
         """Give an admitted choice its KV sequence: forked from the longest
         prefix of its tokens the KV cache holds, else empty."""
         tokens = choice.tokens()
-        match = self._longest_prefix(tokens)
+        # prompt logprobs are computed, never read from a cached prefix
+        match = None if choice.request.wants_prompt_logprobs else self._longest_prefix(tokens)
         choice.seq_id = next(self._seq_ids)
         if match is None:
             self.kv.add_sequence(choice.seq_id)
@@ -226,11 +240,17 @@ class Scheduler:
                         chunks_wanted.append(choice)
             budget -= len(decode)
             chunk_room = self.kv.prefill_chunk_size
+            logprob_rows = self.prompt_logprob_rows
             for choice in chunks_wanted:
                 if budget <= 0 or chunk_room <= 0:
                     break
                 pending_tokens = choice.pending()
                 take = min(len(pending_tokens), budget, chunk_room)
+                if choice.request.wants_prompt_logprobs:
+                    take = min(take, logprob_rows)
+                    if take == 0:
+                        continue
+                    logprob_rows -= take
                 prefill.append((choice, pending_tokens[:take]))
                 pages += self.pages(choice.kv_len + take) - self.pages(choice.kv_len)
                 if take == len(pending_tokens) and not choice.request.forked:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lockgate.engine.detokenizer import IncrementalDetokenizer
-from lockgate.engine.sampling import make_generator
+from lockgate.engine.sampling import TokenLogprob, make_generator
 
 if TYPE_CHECKING:
     from lockgate.engine.handle import RequestHandle
@@ -90,6 +90,18 @@ class RequestState:
         self.preemptions = 0
         #: finished, failed or aborted, as the engine thread sees it
         self.done = False
+        #: the prompt tokens' logprobs found so far, when asked for: entry `q`
+        #: is token `q`'s given the ones before it (the first has none)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if self.params.prompt_logprobs is None else [None]
+        )
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt positions still need their logprobs: a prefill of
+        this request's prompt must return every position's logits (and its
+        prompt cannot come from the prefix cache)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def live_choices(self) -> list[Choice]:

@@ -119,13 +119,19 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def prefill(
-        self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]
+        self,
+        seq_ids: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        all_positions: Sequence[bool] | None = None,
     ) -> np.ndarray:
         """Append each chunk of tokens to its sequence.
 
         The chunks together hold at most `prefill_chunk_size` tokens; each is
         non-empty. Returns the logits after the last token of every chunk,
-        shape (len(seq_ids), vocab_size).
+        shape (len(seq_ids), vocab_size); a chunk `i` with
+        `all_positions[i]` true has a row after each of its tokens instead
+        (`len(token_ids[i])` rows, in order, its last row the last token's),
+        for prompt logprobs. Rows follow the chunks' order.
         """
 
     @abc.abstractmethod

@@ -88,8 +88,9 @@ class GenerationRequest:
     stream: bool = param(False, boolean)
     include_usage: bool = param(False, read_include_usage, key="stream_options")
     n: int = param(1, integer(1))
-    max_tokens: int | None = param(None, integer(1))
-    max_completion_tokens: int | None = param(None, integer(1))
+    #: 0 only with completions' `echo`: the prompt (and its logprobs) alone
+    max_tokens: int | None = param(None, integer(0))
+    max_completion_tokens: int | None = param(None, integer(0))
     temperature: float = param(1.0, number(0, 2))
     top_p: float = param(1.0, number(0, 1, low_open=True))
     seed: int | None = param(None, integer(INT64_MIN))
@@ -138,6 +139,10 @@ class GenerationRequest:
         """How many alternatives to report per token; None: no logprobs."""
         raise NotImplementedError
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many alternatives to report per prompt token; None: none."""
+        return None
+
     def sampling_params(self, grammar: object | None = None) -> SamplingParams:
         """How the engine samples for this request (`grammar`: the compiled
         `response_format`)."""
@@ -158,12 +163,24 @@ class GenerationRequest:
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
             grammar=grammar,
         )
 
     def _check_combinations(self) -> None:
         if self.body.get("stream_options") is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.completion_limit == 0 and not self.echoes_prompt:
+            raise InvalidRequestError(
+                f"{self.param_for('max_tokens')} must be at least 1 (0, the prompt alone, "
+                "is allowed only with echo on /v1/completions)",
+                param=self.param_for("max_tokens"),
+            )
+
+    @property
+    def echoes_prompt(self) -> bool:
+        """Whether the answer starts with the prompt (completions' `echo`)."""
+        return False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -298,6 +315,14 @@ class CompletionRequest(GenerationRequest):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        # an echoed prompt has logprobs like the tokens after it
+        return self.logprobs if self.echo else None
+
+    @property
+    def echoes_prompt(self) -> bool:
+        return self.echo
 
 
 REQUEST_TYPES: dict[str, type[GenerationRequest]] = {

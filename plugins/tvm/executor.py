@@ -288,7 +288,10 @@ class TVMExecutor(Executor):
     # forward passes
 
     def prefill(
-        self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]
+        self,
+        seq_ids: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        all_positions: Sequence[bool] | None = None,
     ) -> np.ndarray:
         self._check_open()
         ids = self._batch_ids(seq_ids)
@@ -306,15 +309,24 @@ class TVMExecutor(Executor):
         self._check_room(ids, lengths)
         flat = np.concatenate(chunks)
         embeds = self._embed_tokens(flat).view_as((1, total, self.config.hidden_size))
-        positions = np.cumsum(lengths, dtype=np.int32) - 1
+        ends = np.cumsum(lengths, dtype=np.int32)
+        if all_positions is None or not any(all_positions):
+            positions = ends - 1
+        else:
+            # the positions (in the flat chunk) whose logits come back
+            positions = np.concatenate([
+                np.arange(end - n, end, dtype=np.int32) if every else np.array([end - 1], dtype=np.int32)
+                for end, n, every in zip(ends, lengths, all_positions)
+            ])
+        rows = len(positions)
         logits = self._forward(
             ids, lengths, lambda: self._prefill(embeds.tensor, self._to_device(positions), self._kv, self._params)
         )
         if total >= LARGE_PREFILL_TOKENS and self._trimmer is not None:
             self._trimmer.after_large_work()
         if self._sampler is not None:
-            return self._on_device(logits, len(ids))
-        return logits.reshape(len(ids), self.vocab_size)
+            return self._on_device(logits, rows)
+        return logits.reshape(rows, self.vocab_size)
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         self._check_open()
