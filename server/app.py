@@ -39,6 +39,7 @@ from lockgate.server.middlewares import (
 )
 from lockgate.server.responses_api import RESPONSE_STORE, ResponseStore, responses_routes
 from lockgate.server.routes import routes, v1_routes
+from lockgate.server.tokenizer_routes import tokenizer_routes
 
 log = structlog.get_logger("lockgate.server")
 
@@ -70,6 +71,7 @@ def create_app(
     app.on_response_prepare.append(set_cors_headers)
     app.on_response_prepare.append(set_replica_header)
     app.add_routes(routes)
+    app.add_routes(tokenizer_routes)
     # the OpenAI API: counted, and behind the API key when keys are set
     api = web.Application(
         middlewares=[count_requests_middleware, api_key_middleware], client_max_size=settings.max_body_size

@@ -27,6 +27,8 @@ from hypothesis import strategies as st
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
 
 #: strings that have broken one stage or another of some server
 HOSTILE_STRINGS = [
@@ -169,6 +171,12 @@ SAMPLING = {
 
 @st.composite
 def valid_body(draw, endpoint: str, model: str) -> dict[str, Any]:
+    if endpoint == TOKENIZE:
+        if draw(st.booleans()):
+            return {"model": model, "prompt": draw(TEXT), "add_special_tokens": draw(st.booleans())}
+        return {"model": model, "messages": draw(st.lists(MESSAGE, min_size=1, max_size=4))}
+    if endpoint == DETOKENIZE:
+        return {"model": model, "tokens": draw(TOKEN_IDS)}
     body: dict[str, Any] = {"model": model, "max_tokens": draw(SAMPLING["max_tokens"])}
     if endpoint == CHAT:
         body["messages"] = draw(st.lists(MESSAGE, min_size=1, max_size=4))
@@ -181,6 +189,9 @@ def valid_body(draw, endpoint: str, model: str) -> dict[str, Any]:
                                         st.lists(TOKEN_IDS, min_size=1, max_size=2)))
         if draw(st.booleans()):
             body["logprobs"] = draw(st.integers(min_value=0, max_value=5))
+        if draw(st.integers(0, 3)) == 0:
+            body["echo"] = True  # as loglikelihood evaluation sends it: the prompt alone, or a token more
+            body["max_tokens"] = draw(st.integers(min_value=0, max_value=1))
     for name in draw(st.lists(st.sampled_from(sorted(SAMPLING)), max_size=4, unique=True)):
         body[name] = draw(SAMPLING[name])
     if draw(st.booleans()):
@@ -253,7 +264,7 @@ def _encode(body: Any, ascii_only: bool) -> bytes:
 
 @st.composite
 def cases(draw, model: str = "tiny") -> Case:
-    endpoint = draw(st.sampled_from([CHAT, COMPLETIONS]))
+    endpoint = draw(st.sampled_from([CHAT, COMPLETIONS, CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE]))
     body = draw(valid_body(endpoint, model))
     kind = draw(st.sampled_from(["none", "field", "field", "field", "add", "drop", "raw", "route", "content-type"]))
     mutation = kind
@@ -270,9 +281,9 @@ def cases(draw, model: str = "tiny") -> Case:
         name = draw(st.sampled_from(sorted(body)))
         body = {k: v for k, v in body.items() if k != name}
         mutation = f"drop {name}"
-    if isinstance(body, dict) and "max_completion_tokens" not in body:
+    if isinstance(body, dict) and endpoint in (CHAT, COMPLETIONS) and "max_completion_tokens" not in body:
         max_tokens = body.get("max_tokens")
-        if not (isinstance(max_tokens, int) and 1 <= max_tokens <= 64):
+        if not (isinstance(max_tokens, int) and 0 <= max_tokens <= 64):
             # max_tokens null, absent or large means "until the context is
             # full": minutes on a CPU, no fault. max_completion_tokens, which
             # takes precedence, bounds it; an invalid max_tokens is still
@@ -310,6 +321,7 @@ def cases(draw, model: str = "tiny") -> Case:
         method, path = draw(st.sampled_from([
             ("GET", CHAT), ("PUT", COMPLETIONS), ("POST", "/v1/models"), ("GET", "/v1/models/nope"),
             ("POST", "/v1/embeddings"), ("GET", "/v1/../health"), ("POST", "/v1/chat/completions/"),
+            ("GET", TOKENIZE), ("POST", "/tokenizer_info"), ("GET", "/tokenizer_info"),
         ]))
         mutation = f"route {method} {path}"
     elif kind == "content-type":
@@ -394,6 +406,12 @@ def check_answer(case: Case, status: int, headers: dict[str, str], data: bytes) 
         usage = body.get("usage") or {}
         if not all(isinstance(usage.get(k), int) for k in ("prompt_tokens", "completion_tokens", "total_tokens")):
             raise fail("usage is not three integers")
+    if case.path == TOKENIZE:
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or body.get("count") != len(tokens) or not all(type(t) is int for t in tokens):
+            raise fail("a tokenization without its tokens and their count")
+    if case.path == DETOKENIZE and not isinstance(body.get("prompt"), str):
+        raise fail("a detokenization without its text")
     return "ok"
 
 

@@ -127,3 +127,68 @@ async def test_chat_refuses_max_tokens_0_and_completions_without_echo_too(tiny_m
     response = await client.post("/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
     assert response.status == 400
+
+
+# ------------------------------------------------------------------ the tokenizer routes
+
+
+async def test_tokenize_counts_as_the_api_does_and_detokenize_inverts_it(tiny_model, make_client):
+    client = await make_client(tiny_model)
+    response = await client.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True})
+    assert response.status == 200, await response.text()
+    tokenized = await response.json()
+    assert tokenized["tokens"] == token_ids(tiny_model, PROMPT)
+    assert tokenized["count"] == len(tokenized["tokens"])
+    assert tokenized["max_model_len"] == tiny_model.context_length
+    assert tokenized["token_strs"] == [tiny_model.token_bytes.text(t) for t in tokenized["tokens"]]
+    # the count is the one the completions API reports
+    usage = (await completion(client, prompt=PROMPT, max_tokens=1))["usage"]
+    assert usage["prompt_tokens"] == tokenized["count"]
+    plain = await (await client.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False})).json()
+    assert plain["tokens"] == tiny_model.tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert plain["token_strs"] is None
+    back = await client.post("/detokenize", json={"model": "tiny", "tokens": plain["tokens"]})
+    assert back.status == 200 and (await back.json())["prompt"] == PROMPT
+    # a chat, rendered through the template as the chat API renders it
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = await (await client.post("/tokenize", json={"messages": messages})).json()
+    answer = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1})
+    assert chat["count"] == (await answer.json())["usage"]["prompt_tokens"]
+
+
+async def test_tokenizer_info_names_the_special_tokens_and_the_template(tiny_model, make_client):
+    client = await make_client(tiny_model)
+    info = await (await client.get("/tokenizer_info")).json()
+    tokenizer = tiny_model.tokenizer
+    assert info["eos_token"] == tokenizer.eos_token and info["bos_token"] == tokenizer.bos_token
+    assert info["model_max_length"] == tiny_model.context_length
+    assert info["vocab_size"] == tiny_model.vocab_size
+    assert "messages" in info["chat_template"]
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/tokenize", {"messages": "hi"}, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, "model"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1, 2.5]}, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+])
+async def test_bad_tokenizer_requests_are_400_naming_the_field(tiny_model, make_client, route, body, param):
+    client = await make_client(tiny_model)
+    response = await client.post(route, json=body)
+    assert response.status in (400, 404), await response.text()
+    assert (await response.json())["error"]["param"] == param
+
+
+async def test_the_tokenizer_routes_are_behind_the_api_key(tiny_model, make_client):
+    client = await make_client(tiny_model, api_keys=("k",))
+    assert (await client.get("/tokenizer_info")).status == 401
+    assert (await client.post("/tokenize", json={"prompt": "a"})).status == 401
+    assert (await client.post("/detokenize", json={"tokens": [1]})).status == 401
+    ok = await client.post("/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer k"})
+    assert ok.status == 200

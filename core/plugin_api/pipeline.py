@@ -85,7 +85,7 @@ def prepare_request(
         handles: list[Handle] = []
         try:
             for one in prompts:
-                work = Work(request_id=one.id, prompt_token_ids=_prompt_token_ids(pm, one, model), params=params)
+                work = Work(request_id=one.id, prompt_token_ids=prompt_token_ids(pm, one, model), params=params)
                 handle = pm.hook.lockgate_enqueue(work=work, engine=model.engine)
                 if handle is None:
                     raise InternalError("no plugin enqueued the request")
@@ -120,7 +120,10 @@ def _refuse_what_cannot_fit(prompt: str, model: Model) -> None:
         )
 
 
-def _prompt_token_ids(pm: pluggy.PluginManager, request: GenerationRequest, model: Model) -> list[int]:
+def prompt_token_ids(pm: pluggy.PluginManager, request: GenerationRequest, model: Model) -> list[int]:
+    """The prompt of a request (one prompt of a completions request) as
+    token ids: rendered (`lockgate_render_prompt`) and tokenized
+    (`lockgate_tokenize`), or as the client sent them."""
     if isinstance(request, CompletionRequest) and isinstance(request.prompt, tuple):
         # the client sent token ids: it has done the template and tokenize steps itself
         return list(request.prompt)
