@@ -34,7 +34,8 @@ _COMPILED_FIXTURES = {"load_tiny", "tiny_model", "load_instrumented", "default_m
 #: what in a test module's source says it compiles with TVM itself
 _COMPILES = ("import tvm", "from tvm", "compile_model", "create_executor", "tvm.compile")
 #: modules that drive whole processes (servers, soaks, scripts) for a minute or more
-_SLOW_MODULES = {"test_fuzz", "test_soak", "test_gpu_check_smoke", "test_launch", "test_ray_serve", "test_agents_sdk"}
+_SLOW_MODULES = {"test_fuzz", "test_soak", "test_gpu_check_smoke", "test_launch", "test_ray_serve", "test_agents_sdk",
+                 "test_lm_eval"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -163,6 +163,25 @@ async def test_streamed_completions_prompt_ids(models, make_openai):
     assert answers[0] == answers[1] and len(answers[0]) == 4
 
 
+async def test_echoed_prompt_logprobs_are_the_same_from_device_logits(models, make_openai):
+    """Prompt logprobs read from logits left on the device (every prompt
+    position's row) are those of the host path."""
+    answers = []
+    for model in models:
+        client = await make_openai(model)
+        completion = await client.completions.create(
+            model="tiny", prompt=[[5, 6, 7, 8, 9, 10, 11], [9, 10]], max_tokens=1, echo=True, logprobs=3,
+            temperature=0)
+        answers.append([(c.text, c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs)
+                        for c in completion.choices])
+    for host, device in zip(*answers):
+        assert host[:2] == device[:2]
+        assert host[2][0] is None and device[2][0] is None and len(host[2]) == len(host[1])
+        assert device[2][1:] == pytest.approx(host[2][1:], abs=2e-3)
+        for want, got in zip(host[3][1:], device[3][1:]):
+            assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), abs=2e-3)
+
+
 # DeviceLogits and TVMExecutor.sample ------------------------------------------
 
 

@@ -38,7 +38,7 @@ B_THEN_A = {"prompt": [B], "logit_bias": {str(A): 53.5, str(B): 50}}
 #: The request-body key a field is read from, where it is not the field's name.
 #: `grammar` is compiled from `response_format` by the pipeline (not by
 #: `GenerationRequest.sampling_params`), so that is the key that must act.
-BODY_KEYS = {"grammar": "response_format"}
+BODY_KEYS = {"grammar": "response_format", "prompt_logprobs": "echo"}
 
 #: For every field of `SamplingParams`: (what both requests send, what only
 #: the first sends, what only the second sends). On top of `complete`'s
@@ -60,6 +60,8 @@ CHANGES = {
     "n": ({}, {}, {"n": 3}),
     "skip_special_tokens": ({"logit_bias": {str(IM_START): 100}}, {}, {"skip_special_tokens": False}),
     "logprobs": ({}, {}, {"logprobs": 2}),
+    # completions' echo with logprobs: the prompt's tokens have theirs too
+    "prompt_logprobs": ({"logprobs": 1}, {}, {"echo": True}),
     "grammar": ({}, {}, {"response_format": {"type": "json_object"}}),
 }
 
@@ -84,17 +86,17 @@ def test_the_typed_request_converts_every_parameter():
         "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_p": 0.1,
         "presence_penalty": 0.3, "frequency_penalty": 0.4, "repetition_penalty": 1.2,
         "logit_bias": {"5": -3}, "seed": 9, "stop": "x", "stop_token_ids": [3],
-        "ignore_eos": True, "n": 2, "skip_special_tokens": False, "logprobs": 3,
+        "ignore_eos": True, "n": 2, "skip_special_tokens": False, "logprobs": 3, "echo": True,
     }
     params = sampling_params(body)
     assert params == SamplingParams(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, presence_penalty=0.3,
         frequency_penalty=0.4, repetition_penalty=1.2, logit_bias={5: -3.0}, seed=9, stop=("x",),
-        stop_token_ids=(3,), ignore_eos=True, n=2, skip_special_tokens=False, logprobs=3,
+        stop_token_ids=(3,), ignore_eos=True, n=2, skip_special_tokens=False, logprobs=3, prompt_logprobs=3,
     )
     defaults = SamplingParams()
     for field in dataclasses.fields(SamplingParams):
-        if field.name not in BODY_KEYS:  # every parameter of the body above was read
+        if field.name != "grammar":  # every parameter of the body above was read
             assert getattr(params, field.name) != getattr(defaults, field.name), field.name
     assert sampling_params({"max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
     assert sampling_params({"logprobs": True, "top_logprobs": 4}, CHAT_ENDPOINT).logprobs == 4

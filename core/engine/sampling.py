@@ -303,15 +303,18 @@ _LOGPROB_ROWS = 32
 
 def logprobs_of(logits, rows: Sequence[int], tokens: Sequence[int], top_n: int) -> list[TokenLogprob]:
     """Each token's log-probability under its row of `logits` (numpy, or
-    an executor's logits object taking `logits[list_of_rows]`) with the
-    `top_n` most likely tokens: the prompt logprobs. Works `_LOGPROB_ROWS`
-    rows at a time, so no more than that many vocabulary-sized rows are
-    copied at once."""
+    an executor's logits object taking `logits[list_of_rows]`, brought to
+    the host in one copy) with the `top_n` most likely tokens: the prompt
+    logprobs. The log-softmax works `_LOGPROB_ROWS` rows at a time, so its
+    temporaries stay small."""
+    if not rows:
+        return []
+    values = np.asarray(logits[list(rows)], dtype=np.float32)
     out: list[TokenLogprob] = []
     for start in range(0, len(rows), _LOGPROB_ROWS):
-        part = np.asarray(logits[list(rows[start:start + _LOGPROB_ROWS])], dtype=np.float32)
-        for values, token in zip(_log_softmax(part), tokens[start:start + _LOGPROB_ROWS]):
-            out.append(_token_logprob(values, int(token), top_n))
+        part = _log_softmax(values[start:start + _LOGPROB_ROWS])
+        for row, token in zip(part, tokens[start:start + _LOGPROB_ROWS]):
+            out.append(_token_logprob(row, int(token), top_n))
     return out
 
 
