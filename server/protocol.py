@@ -174,10 +174,13 @@ class Echo:
     OpenAI reports it.
 
     :param prompts: per choice index, the prompt's text and token ids.
+    :param top_n: alternatives per token the request's `logprobs` asks for
+        (the engine may have found more, for `prompt_logprobs`).
     """
 
-    def __init__(self, prompts: dict[int, tuple[str, list[int]]]) -> None:
+    def __init__(self, prompts: dict[int, tuple[str, list[int]]], top_n: int | None = None) -> None:
         self._waiting = dict(prompts)
+        self._top_n = top_n
 
     def apply(self, index: int, delta: Delta) -> Delta:
         prompt = self._waiting.pop(index, None)
@@ -185,9 +188,10 @@ class Echo:
             return delta
         text, token_ids = prompt
         logprobs = delta.logprobs
-        if delta.prompt_logprobs is not None:
+        if delta.prompt_logprobs is not None and self._top_n is not None:
             first = TokenLogprob(token_id=token_ids[0], logprob=None, top=None)
-            logprobs = [first, *delta.prompt_logprobs[1:], *(logprobs or ())]
+            prompt = [TokenLogprob(e.token_id, e.logprob, e.top[: self._top_n]) for e in delta.prompt_logprobs[1:]]
+            logprobs = [first, *prompt, *(logprobs or ())]
         return dataclasses.replace(delta, text=text + delta.text, logprobs=logprobs)
 
 
@@ -227,6 +231,16 @@ class ResponseBuilder:
                 ],
                 "refusal": None,
             }
+        def top(e: TokenLogprob) -> dict[str, float] | None:
+            # keyed by text, as OpenAI has it: of tokens spelled alike (byte
+            # tokens that are not whole characters), the likeliest stands
+            if e.top is None:
+                return None
+            spelled: dict[str, float] = {}
+            for t, lp in e.top:
+                spelled.setdefault(text(t), lp)
+            return spelled
+
         offsets = []
         for e in entries:
             offsets.append(self._offsets.get(index, 0))
@@ -235,7 +249,7 @@ class ResponseBuilder:
             "tokens": [text(e.token_id) for e in entries],
             # an echoed prompt's first token has no logprob (nothing before it)
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if e.top is None else {text(t): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [top(e) for e in entries],
             "text_offset": offsets,
         }
 
@@ -258,9 +272,13 @@ class ResponseBuilder:
         usage: Usage,
         logprobs: dict[int, list[TokenLogprob] | None],
         tool_calls: dict[int, list[ToolCall]] | None = None,
+        prompt_logprobs: tuple[int, dict[int, list[TokenLogprob | None]]] | None = None,
     ) -> dict[str, Any]:
         """The whole response; a choice with `tool_calls` has them in its
-        message (its `content` null when it wrote no text beside them)."""
+        message (its `content` null when it wrote no text beside them).
+        `prompt_logprobs` (the extension: how many alternatives, and each
+        choice's prompt entries) goes in each completions choice, and once
+        in a chat response (its choices share one prompt)."""
         choices = []
         for index in sorted(texts):
             if self.chat:
@@ -282,10 +300,35 @@ class ResponseBuilder:
                     "logprobs": self.logprobs(index, logprobs.get(index)),
                     "finish_reason": finish_reasons.get(index),
                 }
+                if prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_logprobs(prompt_logprobs[0],
+                                                                     prompt_logprobs[1].get(index))
             choices.append(choice)
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        if self.chat and prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(prompt_logprobs[0], prompt_logprobs[1].get(0))
         body["usage"] = usage_body(usage)
         return body
+
+    def prompt_logprobs(self, top_n: int, entries: list[TokenLogprob | None] | None) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token null (the first) or
+        `{token id: {"logprob", "rank", "decoded_token"}}` holding the
+        token and the `top_n` most likely ones."""
+        if entries is None:
+            return None
+        text = self.token_bytes.text
+        shaped: list[dict[str, Any] | None] = []
+        for entry in entries:
+            if entry is None:
+                shaped.append(None)
+                continue
+            position = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank,
+                                              "decoded_token": text(entry.token_id)}}
+            for rank, (token_id, logprob) in enumerate(entry.top[:top_n], 1):
+                position.setdefault(str(token_id), {"logprob": logprob, "rank": rank,
+                                                    "decoded_token": text(token_id)})
+            shaped.append(position)
+        return shaped
 
     # ------------------------------------------------------------ streamed
 

@@ -232,7 +232,7 @@ def _echo(typed: CompletionRequest, handles: list[Handle], model) -> Echo:
             token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         for index in range(offset, offset + handle.n):
             prompts[index] = (text, token_ids)
-    return Echo(prompts)
+    return Echo(prompts, typed.logprobs)
 
 
 async def _collect(request, typed: GenerationRequest, handles, builder: ResponseBuilder, tool_format,
@@ -245,7 +245,10 @@ async def _collect(request, typed: GenerationRequest, handles, builder: Response
         for index in range(offset, offset + handle.n):
             texts[index] = []
             logprobs[index] = [] if with_logprobs else None
+    prompt_logprobs: dict[int, list] = {}
     async for index, delta in _MergedDeltas(request, handles):
+        if delta.prompt_logprobs is not None:
+            prompt_logprobs[index] = delta.prompt_logprobs
         if echo is not None:
             delta = echo.apply(index, delta)
         texts[index].append(delta.text)
@@ -261,7 +264,8 @@ async def _collect(request, typed: GenerationRequest, handles, builder: Response
             joined[index], calls[index] = parsed.content or "", parsed.calls
             if parsed.calls:
                 finish_reasons[index] = "tool_calls"
-    return web.json_response(builder.completion(joined, finish_reasons, _usage(handles), logprobs, calls))
+    extension = None if typed.prompt_logprobs is None else (typed.prompt_logprobs, prompt_logprobs)
+    return web.json_response(builder.completion(joined, finish_reasons, _usage(handles), logprobs, calls, extension))
 
 
 async def open_event_stream(request: web.Request, handles: list[Handle]):

@@ -55,6 +55,7 @@ async def test_each_prompt_token_has_the_logprob_a_prompt_ending_before_it_gives
         top_echoed = logprobs["top_logprobs"][q]
         assert list(top_echoed) == list(top_alone), q
         assert list(top_echoed.values()) == pytest.approx(list(top_alone.values()), abs=2e-3), q
+        assert list(top_echoed.values()) == sorted(top_echoed.values(), reverse=True)  # the likeliest of a spelling
         if q < len(ids) and spelled[q] in top_alone:
             assert logprobs["token_logprobs"][q] == pytest.approx(top_alone[spelled[q]], abs=2e-3), q
         assert logprobs["token_logprobs"][q] <= max(top_echoed.values()) + 1e-6
@@ -192,3 +193,40 @@ async def test_the_tokenizer_routes_are_behind_the_api_key(tiny_model, make_clie
     assert (await client.post("/detokenize", json={"tokens": [1]})).status == 401
     ok = await client.post("/tokenize", json={"prompt": "a"}, headers={"Authorization": "Bearer k"})
     assert ok.status == 200
+
+
+# ------------------------------------------------------------------ vLLM's prompt_logprobs
+
+
+async def test_the_prompt_logprobs_extension_has_vllms_shape(tiny_model, make_client):
+    client = await make_client(tiny_model)
+    ids = token_ids(tiny_model, PROMPT)
+    echoed = (await completion(client, prompt=PROMPT, echo=True, logprobs=4, max_tokens=0))["choices"][0]
+    answer = await completion(client, prompt=PROMPT, prompt_logprobs=2, max_tokens=2, n=2, ignore_eos=True)
+    text = tiny_model.token_bytes.text
+    for choice in answer["choices"]:
+        assert choice["text"] and not choice["text"].startswith(PROMPT)  # no echo: the answer alone
+        entries = choice["prompt_logprobs"]
+        assert len(entries) == len(ids) and entries[0] is None
+        for q, entry in enumerate(entries[1:], 1):
+            token = entry[str(ids[q])]
+            assert token["decoded_token"] == text(ids[q])
+            assert token["logprob"] == pytest.approx(echoed["logprobs"]["token_logprobs"][q], abs=1e-5)
+            # the two likeliest, ranked, the first the echo's likeliest too
+            # (the echo keys its alternatives by text, which tokens can share)
+            top_two = sorted((v for v in entry.values() if v["rank"] <= 2), key=lambda v: v["rank"])
+            assert [v["rank"] for v in top_two] == [1, 2]
+            assert top_two[0]["logprob"] >= top_two[1]["logprob"] >= token["logprob"] - 1e-6
+            assert top_two[0]["logprob"] == pytest.approx(max(echoed["logprobs"]["top_logprobs"][q].values()),
+                                                          abs=1e-5)
+            assert len(entry) == (2 if token["rank"] <= 2 else 3)
+    # chat: once, for the prompt the template rendered
+    chat = await client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0})
+    body = await chat.json()
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in body["prompt_logprobs"][1:])  # the token alone
+    # streaming does not carry them: refused, not dropped
+    refused = await client.post(COMPLETIONS, json={"model": "tiny", "prompt": "a", "prompt_logprobs": 1,
+                                                   "stream": True})
+    assert refused.status == 400 and (await refused.json())["error"]["param"] == "prompt_logprobs"

@@ -314,6 +314,7 @@ def test_any_schedule_generates_exactly_what_each_request_would_alone(
                 assert entry.token_id == prompt[q]
                 assert entry.logprob == pytest.approx(logprobs[prompt[q]], abs=1e-5)
                 assert [t for t, _ in entry.top] == list(np.argsort(-row, kind="stable")[:2])
+                assert entry.rank == 1 + np.count_nonzero(row > row[prompt[q]])
         else:
             assert state.prompt_logprobs is None
     assert executor.free_pages() + engine.scheduler.cached_pages == executor.total_pages

@@ -47,6 +47,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    #: the token's rank in its distribution (1: the most likely), where
+    #: reported (prompt logprobs)
+    rank: int | None = None
 
 
 def process_logits(
@@ -314,7 +317,9 @@ def logprobs_of(logits, rows: Sequence[int], tokens: Sequence[int], top_n: int) 
     for start in range(0, len(rows), _LOGPROB_ROWS):
         part = _log_softmax(values[start:start + _LOGPROB_ROWS])
         for row, token in zip(part, tokens[start:start + _LOGPROB_ROWS]):
-            out.append(_token_logprob(row, int(token), top_n))
+            entry = _token_logprob(row, int(token), top_n)
+            entry.rank = int(np.count_nonzero(row > row[entry.token_id])) + 1
+            out.append(entry)
     return out
 
 

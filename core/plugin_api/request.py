@@ -108,6 +108,8 @@ class GenerationRequest:
     ignore_eos: bool = param(False, boolean)
     skip_special_tokens: bool = param(True, boolean)
     stop_token_ids: tuple[int, ...] = param((), read_stop_token_ids)
+    #: each prompt token's logprob with this many alternatives (vLLM's extension)
+    prompt_logprobs: int | None = param(None, integer(0, MAX_TOP_LOGPROBS))
 
     @property
     def is_chat(self) -> bool:
@@ -141,7 +143,7 @@ class GenerationRequest:
 
     def requested_prompt_logprobs(self) -> int | None:
         """How many alternatives to report per prompt token; None: none."""
-        return None
+        return self.prompt_logprobs
 
     def sampling_params(self, grammar: object | None = None) -> SamplingParams:
         """How the engine samples for this request (`grammar`: the compiled
@@ -170,6 +172,11 @@ class GenerationRequest:
     def _check_combinations(self) -> None:
         if self.body.get("stream_options") is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError(
+                "prompt_logprobs cannot be combined with stream (echo with logprobs streams them)",
+                param="prompt_logprobs", code="unsupported_parameter",
+            )
         if self.completion_limit == 0 and not self.echoes_prompt:
             raise InvalidRequestError(
                 f"{self.param_for('max_tokens')} must be at least 1 (0, the prompt alone, "
@@ -317,8 +324,10 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs
 
     def requested_prompt_logprobs(self) -> int | None:
-        # an echoed prompt has logprobs like the tokens after it
-        return self.logprobs if self.echo else None
+        # an echoed prompt has logprobs like the tokens after it; with the
+        # extension too, the engine finds the larger number of alternatives
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted, default=None)
 
     @property
     def echoes_prompt(self) -> bool:

@@ -190,6 +190,7 @@ class ResponsesRequest(ChatRequest):
     stop_token_ids: tuple[int, ...] = param(())
     functions: tuple[Tool, ...] = param(())
     function_call: str | None = param(None)
+    prompt_logprobs: int | None = param(None)
     # the Responses API's own
     instructions: str | None = param(None, string)
     #: keep the response (and its conversation) for `previous_response_id`
