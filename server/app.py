@@ -37,8 +37,9 @@ from lockgate.server.middlewares import (
     set_replica_header,
     set_request_id_header,
 )
-from lockgate.server.responses_api import RESPONSE_STORE, ResponseStore, responses_routes
-from lockgate.server.routes import routes, v1_routes
+from lockgate.server.openai_api import ROUTES as API_ROUTES
+from lockgate.server.openai_api.responses import RESPONSE_STORE, ResponseStore
+from lockgate.server.routes import routes
 from lockgate.server.tokenizer_routes import tokenizer_routes
 
 log = structlog.get_logger("lockgate.server")
@@ -76,8 +77,7 @@ def create_app(
     api = web.Application(
         middlewares=[count_requests_middleware, api_key_middleware], client_max_size=settings.max_body_size
     )
-    api.add_routes(v1_routes)
-    api.add_routes(responses_routes)
+    api.add_routes(API_ROUTES)
     app[RESPONSE_STORE] = ResponseStore(settings.responses_store_size)
     app.add_subapp("/v1", api)
     app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))

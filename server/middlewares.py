@@ -25,7 +25,7 @@ from aiohttp import web
 from lockgate.errors import AuthenticationError, OriginNotAllowed
 from lockgate.memory import LARGE_BODY_BYTES
 from lockgate.server.keys import COUNTED, ERROR_ANSWER, HANDLES, METRICS, REQUEST_ID, SETTINGS, TRIMMER, USAGE
-from lockgate.server.protocol import error_body, error_response, usage_body
+from lockgate.server.protocol import error_body, error_response
 
 log = structlog.get_logger("lockgate.server")
 
@@ -66,7 +66,9 @@ async def request_id_middleware(request: web.Request, handler):
             path=request.path,
             status=status,
             duration_ms=round((time.monotonic() - started) * 1000, 1),
-            **({} if usage is None else usage_body(usage)),
+            **({} if usage is None else {"prompt_tokens": usage.prompt_tokens,
+                                         "completion_tokens": usage.completion_tokens,
+                                         "cached_tokens": usage.cached_tokens}),
             **({} if error_type is None else {"error_type": error_type}),
         )
         structlog.contextvars.unbind_contextvars("request_id")

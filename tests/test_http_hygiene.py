@@ -182,10 +182,10 @@ async def test_a_client_that_stops_reading_is_cut_off_without_stalling_others(
     from aiohttp import web
 
     from conftest import wait_idle
-    from lockgate.server import routes
+    from lockgate.server import serving
 
-    monkeypatch.setattr(routes, "STREAM_BACKLOG_LIMIT", 8)
-    monkeypatch.setattr(routes, "STREAM_WRITE_TIMEOUT_SECONDS", 2.0)
+    monkeypatch.setattr(serving, "STREAM_BACKLOG_LIMIT", 8)
+    monkeypatch.setattr(serving, "STREAM_WRITE_TIMEOUT_SECONDS", 2.0)
     write = web.StreamResponse.write
     stuck = asyncio.Event()
 

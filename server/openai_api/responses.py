@@ -20,18 +20,18 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from lockgate.errors import LockgateError
-from lockgate.plugin_api.pipeline import run_pipeline
+from lockgate.engine import Handle
+from lockgate.errors import ErrorResponse, LockgateError
+from lockgate.models import Model
 from lockgate.plugin_api.readers import Message, string
 from lockgate.plugin_api.responses import ResponsesRequest, parse_responses_request
 from lockgate.plugin_api.tool_calls import ToolCall
-from lockgate.server.keys import HANDLES, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, USAGE
-from lockgate.server.protocol import error_response, read_json_body
-from lockgate.server.routes import _MergedDeltas, _usage, end_event_stream, open_event_stream, write_event
+from lockgate.server.keys import REQUEST_ID
+from lockgate.server.serving import MergedDeltas, event_stream, generate, total_usage, write_event
 
 log = structlog.get_logger("lockgate.server")
 
-responses_routes = web.RouteTableDef()
+routes = web.RouteTableDef()
 
 
 class ResponseNotFound(LockgateError):
@@ -95,7 +95,7 @@ def owner_of(request: web.Request) -> str | None:
     return hashlib.sha256(header.encode("utf-8", "surrogateescape")).hexdigest() if header else None
 
 
-class ResponseBuilder:
+class ResponseObjectBuilder:
     """The response object and its output items for one request."""
 
     def __init__(self, typed: ResponsesRequest, model_name: str) -> None:
@@ -150,12 +150,12 @@ class ResponseBuilder:
                 "arguments": call.arguments if arguments is None else arguments, "status": status}
 
 
-def _finished(typed: ResponsesRequest, builder: ResponseBuilder, output: list[dict[str, Any]], text: str,
+def _finished(typed: ResponsesRequest, builder: ResponseObjectBuilder, output: list[dict[str, Any]], text: str,
               calls: list[ToolCall], finish_reason: str | None, handles, store: ResponseStore, owner: str | None):
     """The final response object (cut short by `max_output_tokens` unless it
     made calls), kept in the store with its conversation when `store`."""
     cut_short = finish_reason == "length" and not calls
-    final = builder.envelope("incomplete" if cut_short else "completed", output, _usage(handles),
+    final = builder.envelope("incomplete" if cut_short else "completed", output, total_usage(handles),
                              incomplete="max_output_tokens" if cut_short else None)
     if typed.store:
         answer = Message("assistant", text, tool_calls=tuple(calls))
@@ -163,76 +163,68 @@ def _finished(typed: ResponsesRequest, builder: ResponseBuilder, output: list[di
     return final
 
 
-@responses_routes.post("/responses")
-async def create_response(request: web.Request) -> web.StreamResponse:
-    body = await read_json_body(request)
-    model = request.config_dict[MODELS].resolve(body.get("model"))
-    store = request.config_dict[RESPONSE_STORE]
-    owner = owner_of(request)
+def _parse(request: web.Request, body: dict[str, Any], model: Model) -> ResponsesRequest:
+    """The body typed as a chat request, after the conversation it continues."""
     history: tuple[Message, ...] = ()
     previous = body.get("previous_response_id")
     if previous is not None:
         string(previous, "previous_response_id")
-        history = store.get(previous, owner, param="previous_response_id").conversation
-    typed = parse_responses_request(body, request_id=request[REQUEST_ID], history=history)
-    request[PIPELINE_REQUEST] = typed
-    handles = await run_pipeline(request.config_dict[PLUGIN_MANAGER], typed, model)
-    request[HANDLES] = handles
+        store = request.config_dict[RESPONSE_STORE]
+        history = store.get(previous, owner_of(request), param="previous_response_id").conversation
+    return parse_responses_request(body, request_id=request[REQUEST_ID], history=history)
+
+
+async def _answer(request: web.Request, typed: ResponsesRequest, model: Model, handles: list[Handle]):
+    store, owner = request.config_dict[RESPONSE_STORE], owner_of(request)
     tool_format = None
     if typed.reads_tool_output and model.tool_call_format is not None:
         tool_format = model.tool_call_format.with_tools(typed.offered_tools)
-    builder = ResponseBuilder(typed, model.name)
-    try:
-        if typed.stream:
-            return await _stream(request, typed, handles, builder, tool_format, store, owner)
-        text, finish_reason = "", None
-        async for _, delta in _MergedDeltas(request, handles):
-            text += delta.text
-            finish_reason = delta.finish_reason or finish_reason
-        calls: list[ToolCall] = []
-        if tool_format is not None:
-            parsed = tool_format.parse(text)
-            text, calls = parsed.content or "", parsed.calls
-        output = ([builder.message_item("msg_" + secrets.token_hex(12), text)] if text or not calls else [])
-        output += [builder.call_item("fc_" + secrets.token_hex(12), call) for call in calls]
-        return web.json_response(_finished(typed, builder, output, text, calls, finish_reason, handles, store, owner))
-    except ConnectionResetError:
-        return web.Response(status=499)
-    finally:
-        request[USAGE] = _usage(handles)
-        for handle in handles:
-            handle.abort()
+    builder = ResponseObjectBuilder(typed, model.name)
+    if typed.stream:
+        return await _stream(request, typed, handles, builder, tool_format, store, owner)
+    text, finish_reason = "", None
+    async for _, delta in MergedDeltas(request, handles):
+        text += delta.text
+        finish_reason = delta.finish_reason or finish_reason
+    calls: list[ToolCall] = []
+    if tool_format is not None:
+        parsed = tool_format.parse(text)
+        text, calls = parsed.content or "", parsed.calls
+    output = ([builder.message_item("msg_" + secrets.token_hex(12), text)] if text or not calls else [])
+    output += [builder.call_item("fc_" + secrets.token_hex(12), call) for call in calls]
+    return web.json_response(_finished(typed, builder, output, text, calls, finish_reason, handles, store, owner))
 
 
-async def _stream(request, typed, handles, builder: ResponseBuilder, tool_format, store, owner):
-    response, deltas = await open_event_stream(request, handles)
+@routes.post("/responses")
+async def create_response(request: web.Request) -> web.StreamResponse:
+    return await generate(request, _parse, _answer)
+
+
+async def _stream(request, typed, handles, builder: ResponseObjectBuilder, tool_format, store, owner):
     sequence = 0
-
-    async def emit(kind: str, **fields) -> None:
-        nonlocal sequence
-        event = {"type": kind, "sequence_number": sequence, **fields}
-        sequence += 1
-        await write_event(request, response, json.dumps(event, ensure_ascii=False), event=kind)
-
     message_id, text_sent = "msg_" + secrets.token_hex(12), ""
     output: list[dict[str, Any]] = []
 
-    async def open_message() -> None:
-        await emit("response.output_item.added", output_index=0, item=builder.message_item(message_id, "", "in_progress"))
-        await emit("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                   part={"type": "output_text", "text": "", "annotations": []})
+    async def write(response: web.StreamResponse, deltas: MergedDeltas) -> None:
+        async def emit(kind: str, **fields) -> None:
+            await emit_event(response, kind, **fields)
 
-    async def text_out(piece: str) -> None:
-        nonlocal text_sent
-        if not piece:
-            return
-        if not text_sent:
-            await open_message()
-        text_sent += piece
-        await emit("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                   delta=piece, logprobs=[])
+        async def open_message() -> None:
+            await emit("response.output_item.added", output_index=0,
+                       item=builder.message_item(message_id, "", "in_progress"))
+            await emit("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                       part={"type": "output_text", "text": "", "annotations": []})
 
-    try:
+        async def text_out(piece: str) -> None:
+            nonlocal text_sent
+            if not piece:
+                return
+            if not text_sent:
+                await open_message()
+            text_sent += piece
+            await emit("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                       delta=piece, logprobs=[])
+
         await emit("response.created", response=builder.envelope("in_progress", []))
         await emit("response.in_progress", response=builder.envelope("in_progress", []))
         reader = None if tool_format is None else tool_format.stream()
@@ -266,30 +258,29 @@ async def _stream(request, typed, handles, builder: ResponseBuilder, tool_format
             await emit("response.output_item.done", output_index=index, item=output[-1])
         final = _finished(typed, builder, output, text_sent, calls, finish_reason, handles, store, owner)
         await emit("response." + final["status"], response=final)
-    except ConnectionResetError:  # gone, or too slow (ClientTooSlow)
-        log.info("client disconnected mid-stream")
-        return response
-    except Exception as exc:
+
+    async def emit_event(stream_response: web.StreamResponse, kind: str, **fields) -> None:
+        nonlocal sequence
+        event = {"type": kind, "sequence_number": sequence, **fields}
+        sequence += 1
+        await write_event(request, stream_response, json.dumps(event, ensure_ascii=False), event=kind)
+
+    async def write_error(response: web.StreamResponse, answer: ErrorResponse) -> None:
         # headers are gone: the failure is an event of the stream
-        answer = error_response(request, exc)
         failed = builder.envelope("failed", output, error={"code": answer.code or answer.type, "message": answer.message})
-        try:
-            await emit("response.failed", response=failed)
-        except ConnectionResetError:
-            return response
-    finally:
-        deltas.close()
-    return await end_event_stream(response)
+        await emit_event(response, "response.failed", response=failed)
+
+    return await event_stream(request, handles, write, write_error)
 
 
-@responses_routes.get("/responses/{response_id}")
+@routes.get("/responses/{response_id}")
 async def get_response(request: web.Request) -> web.Response:
     stored = request.config_dict[RESPONSE_STORE].get(request.match_info["response_id"], owner_of(request),
                                                      param="response_id")
     return web.json_response(stored.body)
 
 
-@responses_routes.delete("/responses/{response_id}")
+@routes.delete("/responses/{response_id}")
 async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     request.config_dict[RESPONSE_STORE].delete(response_id, owner_of(request))

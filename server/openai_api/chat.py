@@ -1,0 +1,161 @@
+"""`POST /v1/chat/completions`: a `chat.completion` whole, or streamed as
+`chat.completion.chunk`s; the model's tool calls read out of its text by
+the tool-call format, whole or as they complete."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from aiohttp import web
+
+from lockgate.engine import Delta, Handle
+from lockgate.engine.sampling import TokenLogprob
+from lockgate.models import Model
+from lockgate.plugin_api.request import CHAT_ENDPOINT, ChatRequest, parse_request
+from lockgate.plugin_api.tool_calls import ToolCall
+from lockgate.server.keys import REQUEST_ID
+from lockgate.server.openai_api.choices import (
+    ChoicesBuilder,
+    collect,
+    json_string,
+    plain_chunks,
+    prompt_logprobs_body,
+    stream,
+)
+from lockgate.server.serving import generate, sse_frame, total_usage
+
+routes = web.RouteTableDef()
+
+
+class ChatCompletionBuilder(ChoicesBuilder):
+    """A `chat.completion` and its chunks."""
+
+    OBJECT = "chat.completion"
+    CHUNK_OBJECT = "chat.completion.chunk"
+    ID_PREFIX = "chatcmpl-"
+
+    def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        text = self.token_bytes.text
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            return {"token": text(token_id), "logprob": logprob, "bytes": list(self.token_bytes(token_id))}
+
+        return {
+            "content": [
+                {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]} for e in entries
+            ],
+            "refusal": None,
+        }
+
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs, calls: list[ToolCall]):
+        """A whole choice; one with `calls` has them in its message (its
+        `content` null when it wrote no text beside them)."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["content"] = text or None
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        return {"index": index, "message": message, "logprobs": self.logprobs(index, logprobs),
+                "finish_reason": finish_reason}
+
+    def delta_choice(self, index: int, delta: Delta) -> dict[str, Any]:
+        return {
+            "index": index,
+            "delta": {"content": delta.text} if delta.text or delta.finish_reason is None else {},
+            "logprobs": self.logprobs(index, delta.logprobs),
+            "finish_reason": delta.finish_reason,
+        }
+
+    def delta_choice_json(self, index: int, delta: Delta, reason: str) -> str:
+        body = f'{{"content": {json_string(delta.text)}}}' if delta.text or delta.finish_reason is None else "{}"
+        return f'{{"index": {index}, "delta": {body}, "logprobs": null, "finish_reason": {reason}}}'
+
+    def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
+        """The first chunk of a choice: the assistant role, no text yet."""
+        return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}], include_usage)
+
+    def tool_call_chunks(self, index: int, calls: list[ToolCall], include_usage: bool) -> list[dict[str, Any]]:
+        """A choice's calls as OpenAI streams them: per call, a first chunk
+        with its index, id, type and name, then its arguments."""
+        chunks = []
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            tail = {"index": i, "function": {"arguments": call.arguments}}
+            for part in (head, tail):
+                chunks.append(self.chunk(
+                    [{"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None}],
+                    include_usage,
+                ))
+        return chunks
+
+    def finish_chunk(self, index: int, reason: str, include_usage: bool) -> dict[str, Any]:
+        return self.chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}], include_usage)
+
+
+def _parse(request: web.Request, body: dict[str, Any], model: Model) -> ChatRequest:
+    return parse_request(CHAT_ENDPOINT, body, request_id=request[REQUEST_ID])
+
+
+async def _answer(request: web.Request, typed: ChatRequest, model: Model, handles: list[Handle]):
+    builder = ChatCompletionBuilder(request_id=typed.id, model=model.name, token_bytes=model.token_bytes)
+    # the model's tool calls are read out of its text here, by the tools offered
+    tool_format = None
+    if typed.reads_tool_output and model.tool_call_format is not None:
+        tool_format = model.tool_call_format.with_tools(typed.offered_tools)
+    if typed.stream:
+        include_usage = typed.include_usage
+        chunks = plain_chunks(builder, include_usage)
+        if tool_format is not None:
+            readers: dict[int, Any] = {}
+
+            def chunks(index: int, delta: Delta) -> list[bytes]:
+                reader = readers.setdefault(index, tool_format.stream())
+                return [sse_frame(c) for c in _tool_stream_chunks(builder, reader, index, delta, include_usage)]
+
+        first = [builder.role_chunk(index, include_usage) for index in range(sum(h.n for h in handles))]
+        return await stream(request, handles, builder, include_usage=include_usage, chunks=chunks, first=first)
+    collected = await collect(request, handles, with_logprobs=typed.requested_logprobs() is not None)
+    choices = []
+    for index, text in collected.texts.items():
+        calls: list[ToolCall] = []
+        finish_reason = collected.finish_reasons.get(index)
+        if tool_format is not None:
+            parsed = tool_format.parse(text)
+            text, calls = parsed.content or "", parsed.calls
+            if calls:
+                finish_reason = "tool_calls"
+        choices.append(builder.choice(index, text, finish_reason, collected.logprobs[index], calls))
+    body = builder.whole(choices, total_usage(handles))
+    if typed.prompt_logprobs is not None:
+        # the choices share one prompt: its logprobs once, as vLLM has them
+        body["prompt_logprobs"] = prompt_logprobs_body(builder, typed.prompt_logprobs,
+                                                       collected.prompt_logprobs.get(0))
+    return web.json_response(body)
+
+
+def _tool_stream_chunks(builder: ChatCompletionBuilder, reader, index: int, delta: Delta, include_usage: bool):
+    """The chunks of one delta of a choice that may call tools: text that
+    cannot be part of a call goes out at once; a call goes out whole, once
+    the choice has ended and its text is parsed."""
+    text = reader.feed(delta.text)
+    if delta.finish_reason is None:
+        if text or delta.logprobs:
+            return [builder.delta_chunk(index, dataclasses.replace(delta, text=text), include_usage)]
+        return []
+    parsed = reader.finish()
+    text += parsed.content or ""
+    chunks = []
+    if text or delta.logprobs:
+        chunks.append(builder.delta_chunk(index, dataclasses.replace(delta, text=text, finish_reason=None),
+                                          include_usage))
+    chunks += builder.tool_call_chunks(index, parsed.calls, include_usage)
+    chunks.append(builder.finish_chunk(index, "tool_calls" if parsed.calls else delta.finish_reason, include_usage))
+    return chunks
+
+
+@routes.post("/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await generate(request, _parse, _answer)
