@@ -37,7 +37,8 @@ from lockgate.server.middlewares import (
     set_replica_header,
     set_request_id_header,
 )
-from lockgate.server.openai_api import ROUTES as API_ROUTES
+from lockgate.server.anthropic_api import ROUTES as ANTHROPIC_ROUTES
+from lockgate.server.openai_api import ROUTES as OPENAI_ROUTES
 from lockgate.server.openai_api.responses import RESPONSE_STORE, ResponseStore
 from lockgate.server.routes import routes
 from lockgate.server.tokenizer_routes import tokenizer_routes
@@ -77,7 +78,8 @@ def create_app(
     api = web.Application(
         middlewares=[count_requests_middleware, api_key_middleware], client_max_size=settings.max_body_size
     )
-    api.add_routes(API_ROUTES)
+    api.add_routes(OPENAI_ROUTES)
+    api.add_routes(ANTHROPIC_ROUTES)
     app[RESPONSE_STORE] = ResponseStore(settings.responses_store_size)
     app.add_subapp("/v1", api)
     app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))

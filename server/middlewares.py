@@ -25,7 +25,7 @@ from aiohttp import web
 from lockgate.errors import AuthenticationError, OriginNotAllowed
 from lockgate.memory import LARGE_BODY_BYTES
 from lockgate.server.keys import COUNTED, ERROR_ANSWER, HANDLES, METRICS, REQUEST_ID, SETTINGS, TRIMMER, USAGE
-from lockgate.server.protocol import error_body, error_response
+from lockgate.server.protocol import error_body_for, error_response
 
 log = structlog.get_logger("lockgate.server")
 
@@ -153,7 +153,7 @@ async def error_middleware(request: web.Request, handler):
     answer = error_response(request, error)
     if answer.status >= 500:
         log.error("request failed", status=answer.status, error=repr(error))
-    return web.json_response(error_body(answer), status=answer.status, headers=answer.headers)
+    return web.json_response(error_body_for(request.path, answer), status=answer.status, headers=answer.headers)
 
 
 @web.middleware
@@ -168,8 +168,8 @@ async def count_requests_middleware(request: web.Request, handler):
 
 def require_api_key(request: web.Request) -> None:
     """When API keys are configured, the request must carry one as
-    `Authorization: Bearer <key>`; keys are compared in constant time and
-    never logged.
+    `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>`
+    (Anthropic's); keys are compared in constant time and never logged.
 
     :raises AuthenticationError: (401) when it does not.
     """
@@ -178,6 +178,8 @@ def require_api_key(request: web.Request) -> None:
         return
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
+    if not header and "x-api-key" in request.headers:
+        scheme, header, given = "bearer", "x-api-key", request.headers["x-api-key"]
     # aiohttp keeps undecodable header bytes as surrogates: encode them back
     given_bytes = given.strip().encode("utf-8", "surrogateescape")
     matched = False
@@ -186,9 +188,9 @@ def require_api_key(request: web.Request) -> None:
         matched |= hmac.compare_digest(given_bytes, key.encode())
     if scheme.lower() != "bearer" or not matched:
         raise AuthenticationError(
-            "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'."
+            "Incorrect API key provided. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')."
             if header
-            else "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+            else "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')."
         )
 
 

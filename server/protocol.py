@@ -120,7 +120,7 @@ def _require_encodable(text: str, path: str, *, key: bool = False) -> None:
 
 
 def error_body(answer: ErrorResponse) -> dict[str, Any]:
-    """An error answer as the API writes it: `{"error": {message, type, param, code}}`."""
+    """An error answer as the OpenAI API writes it: `{"error": {message, type, param, code}}`."""
     return {
         "error": {
             "message": answer.message,
@@ -129,6 +129,32 @@ def error_body(answer: ErrorResponse) -> dict[str, Any]:
             "code": answer.code,
         }
     }
+
+
+#: Anthropic's error types by status (its API's own table; 503 is its overload)
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                          503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(answer: ErrorResponse) -> dict[str, Any]:
+    """An error answer as Anthropic's Messages API writes it:
+    `{"type": "error", "error": {"type", "message"}}`, the type by status
+    (any other 4xx `invalid_request_error`, any other 5xx `api_error`)."""
+    default = "invalid_request_error" if answer.status < 500 else "api_error"
+    kind = _ANTHROPIC_ERROR_TYPES.get(answer.status, default)
+    message = answer.message if answer.param is None else f"{answer.param}: {answer.message}"
+    if answer.param is not None and answer.message.startswith(answer.param):
+        message = answer.message
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(path: str, answer: ErrorResponse) -> dict[str, Any]:
+    """The error body in the shape of the API `path` belongs to: Anthropic's
+    under `/v1/messages`, OpenAI's everywhere else."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return anthropic_error_body(answer)
+    return error_body(answer)
 
 
 # ------------------------------------------------------------------ errors

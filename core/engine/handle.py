@@ -28,6 +28,8 @@ class Delta:
     finish_reason: str | None = None
     #: one entry per token in `token_ids` when the request asked for logprobs
     logprobs: list[TokenLogprob] | None = None
+    #: the stop string that ended the choice (finish_reason "stop"), if one did
+    stop_string: str | None = None
     #: on a choice's first delta when the request asked for prompt logprobs:
     #: one entry per prompt token, the first None (nothing comes before it)
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -39,8 +39,8 @@ class StopChecker:
         step = detokenizer.add(token)
         text, reason = step.text, None
         if step.stopped:
-            reason = STOP
-        elif matcher is not None and matcher.is_finished:
+            return Delta(choice.index, text, [token], STOP, logprobs, stop_string=step.stop_string)
+        if matcher is not None and matcher.is_finished:
             text, reason = text + detokenizer.finish(), STOP
         elif len(choice.output_ids) >= choice.request.max_tokens:
             text, reason = text + detokenizer.finish(), LENGTH

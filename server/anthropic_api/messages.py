@@ -1,0 +1,178 @@
+"""`POST /v1/messages` in Anthropic's shape (whole, or streamed as its
+event sequence) and `POST /v1/messages/count_tokens`, on the same serving
+skeleton, pipeline, hooks and engine as chat. The body is typed by
+`lockgate.plugin_api.messages`; tool calls are read out of the model's text
+by its tool-call format and answered as `tool_use` blocks. Errors come in
+Anthropic's envelope from the error middleware (`protocol.error_body_for`),
+and as an `error` event once a stream has begun."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+from typing import Any
+
+from aiohttp import web
+
+from lockgate.engine import Handle, Usage
+from lockgate.errors import ErrorResponse
+from lockgate.models import Model
+from lockgate.plugin_api.messages import MessagesRequest, parse_messages_request
+from lockgate.plugin_api.pipeline import errors_named_for, prompt_token_ids
+from lockgate.plugin_api.tool_calls import ToolCall
+from lockgate.server.keys import MODELS, PLUGIN_MANAGER, REQUEST_ID
+from lockgate.server.protocol import anthropic_error_body, read_json_body
+from lockgate.server.serving import MergedDeltas, event_stream, generate, total_usage, write_event
+
+routes = web.RouteTableDef()
+
+
+def _stop_reason(finish_reason: str | None, stop_string: str | None, calls: list[ToolCall]) -> str:
+    if calls:
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_string is not None else "end_turn"
+
+
+class MessageBuilder:
+    """The `message` object and its content blocks for one request."""
+
+    def __init__(self, typed: MessagesRequest, model_name: str) -> None:
+        self.id = "msg_" + typed.id
+        self.model = model_name
+
+    @staticmethod
+    def usage(usage: Usage, output_tokens: int | None = None) -> dict[str, Any]:
+        # input_tokens are those prefilled; the prefix cache's are cache reads
+        return {
+            "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": usage.cached_tokens,
+            "output_tokens": usage.completion_tokens if output_tokens is None else output_tokens,
+        }
+
+    def message(self, content: list[dict[str, Any]], usage: dict[str, Any], stop_reason: str | None = None,
+                stop_sequence: str | None = None) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+    @staticmethod
+    def tool_use(call: ToolCall) -> dict[str, Any]:
+        """A call as a `tool_use` block. `input` is an object: arguments a
+        format wrote as anything else (a grammar-free call can) are kept
+        whole under "arguments" rather than dropped."""
+        try:
+            arguments = json.loads(call.arguments or "{}")
+        except ValueError:
+            arguments = call.arguments
+        tool_input = arguments if isinstance(arguments, dict) else {"arguments": arguments}
+        return {"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input}
+
+
+def _parse(request: web.Request, body: dict[str, Any], model: Model) -> MessagesRequest:
+    return parse_messages_request(body, request_id=request[REQUEST_ID])
+
+
+async def _answer(request: web.Request, typed: MessagesRequest, model: Model, handles: list[Handle]):
+    tool_format = None
+    if typed.reads_tool_output and model.tool_call_format is not None:
+        tool_format = model.tool_call_format.with_tools(typed.offered_tools)
+    builder = MessageBuilder(typed, model.name)
+    if typed.stream:
+        return await _stream(request, handles, builder, tool_format)
+    text, finish_reason, stop_string = "", None, None
+    async for _, delta in MergedDeltas(request, handles):
+        text += delta.text
+        if delta.finish_reason is not None:
+            finish_reason, stop_string = delta.finish_reason, delta.stop_string
+    calls: list[ToolCall] = []
+    if tool_format is not None:
+        parsed = tool_format.parse(text)
+        text, calls = parsed.content or "", parsed.calls
+    content = ([{"type": "text", "text": text}] if text or not calls else [])
+    content += [builder.tool_use(call) for call in calls]
+    usage = builder.usage(total_usage(handles))
+    return web.json_response(builder.message(content, usage, _stop_reason(finish_reason, stop_string, calls),
+                                             stop_string))
+
+
+async def _stream(request: web.Request, handles: list[Handle], builder: MessageBuilder, tool_format):
+    """Anthropic's event sequence: `message_start`, `ping`, each content
+    block's `content_block_start`, deltas (`text_delta`, a tool's
+    `input_json_delta`) and `content_block_stop`, then `message_delta`
+    (stop reason, output tokens) and `message_stop`."""
+
+    async def emit(response: web.StreamResponse, kind: str, **fields) -> None:
+        await write_event(request, response, json.dumps({"type": kind, **fields}, ensure_ascii=False), event=kind)
+
+    async def write(response: web.StreamResponse, deltas: MergedDeltas) -> None:
+        usage = total_usage(handles)
+        await emit(response, "message_start", message=builder.message([], builder.usage(usage, output_tokens=0)))
+        await emit(response, "ping")
+        reader = None if tool_format is None else tool_format.stream()
+        index, text_open = 0, False
+        finish_reason, stop_string, calls = None, None, []
+
+        async def text_out(piece: str) -> None:
+            nonlocal text_open
+            if not piece:
+                return
+            if not text_open:
+                text_open = True
+                await emit(response, "content_block_start", index=index, content_block={"type": "text", "text": ""})
+            await emit(response, "content_block_delta", index=index, delta={"type": "text_delta", "text": piece})
+
+        async for _, delta in deltas:
+            await text_out(delta.text if reader is None else reader.feed(delta.text))
+            if delta.finish_reason is not None:
+                finish_reason, stop_string = delta.finish_reason, delta.stop_string
+                if reader is not None:
+                    parsed = reader.finish()
+                    await text_out(parsed.content or "")
+                    calls = parsed.calls
+        if text_open:
+            await emit(response, "content_block_stop", index=index)
+            index += 1
+        for call in calls:
+            block = builder.tool_use(call)
+            await emit(response, "content_block_start", index=index, content_block={**block, "input": {}})
+            await emit(response, "content_block_delta", index=index,
+                       delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+            await emit(response, "content_block_stop", index=index)
+            index += 1
+        await emit(response, "message_delta",
+                   delta={"stop_reason": _stop_reason(finish_reason, stop_string, calls), "stop_sequence": stop_string},
+                   usage={"output_tokens": total_usage(handles).completion_tokens})
+        await emit(response, "message_stop")
+
+    async def write_error(response: web.StreamResponse, answer: ErrorResponse) -> None:
+        await emit(response, "error", error=anthropic_error_body(answer)["error"])
+
+    return await event_stream(request, handles, write, write_error)
+
+
+@routes.post("/messages")
+async def create_message(request: web.Request) -> web.StreamResponse:
+    return await generate(request, _parse, _answer)
+
+
+@routes.post("/messages/count_tokens")
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's tokens as `/v1/messages` would count them: the same
+    parse, validation, template and tokenizer, nothing generated."""
+    body = await read_json_body(request)
+    model = request.config_dict[MODELS].resolve(body.get("model"))
+    typed = parse_messages_request(body, request_id=request[REQUEST_ID], count_only=True)
+    pm = request.config_dict[PLUGIN_MANAGER]
+
+    def count() -> int:
+        with errors_named_for(typed):
+            pm.hook.lockgate_validate_request(request=typed, model=model)
+            return len(prompt_token_ids(pm, typed, model))
+
+    context = contextvars.copy_context()
+    tokens = await asyncio.get_running_loop().run_in_executor(None, context.run, count)
+    return web.json_response({"input_tokens": tokens})
+
