@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 TOKENIZE = "/tokenize"
+#: Anthropic's Messages API: its own body, answer and error shapes
+MESSAGES = "/v1/messages"
 DETOKENIZE = "/detokenize"
 
 #: strings that have broken one stage or another of some server
@@ -177,6 +179,21 @@ def valid_body(draw, endpoint: str, model: str) -> dict[str, Any]:
         return {"model": model, "messages": draw(st.lists(MESSAGE, min_size=1, max_size=4))}
     if endpoint == DETOKENIZE:
         return {"model": model, "tokens": draw(TOKEN_IDS)}
+    if endpoint == MESSAGES:
+        turn = st.fixed_dictionaries({
+            "role": st.sampled_from(["user", "assistant"]),
+            "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+                                                min_size=1, max_size=3)),
+        })
+        body = {"model": model, "max_tokens": draw(SAMPLING["max_tokens"]),
+                "messages": [{"role": "user", "content": draw(TEXT)}, *draw(st.lists(turn, max_size=3))]}
+        optional = {"system": TEXT, "stop_sequences": st.lists(st.text(min_size=1, max_size=5), max_size=4),
+                    "temperature": st.floats(min_value=0, max_value=1), "top_k": st.integers(0, 50),
+                    "metadata": st.just({"user_id": "u"}), "stream": st.booleans(),
+                    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}])}
+        for name in draw(st.lists(st.sampled_from(sorted(optional)), max_size=3, unique=True)):
+            body[name] = draw(optional[name])
+        return body
     body: dict[str, Any] = {"model": model, "max_tokens": draw(SAMPLING["max_tokens"])}
     if endpoint == CHAT:
         body["messages"] = draw(st.lists(MESSAGE, min_size=1, max_size=4))
@@ -264,7 +281,7 @@ def _encode(body: Any, ascii_only: bool) -> bytes:
 
 @st.composite
 def cases(draw, model: str = "tiny") -> Case:
-    endpoint = draw(st.sampled_from([CHAT, COMPLETIONS, CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE]))
+    endpoint = draw(st.sampled_from([CHAT, COMPLETIONS, CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE, MESSAGES]))
     body = draw(valid_body(endpoint, model))
     kind = draw(st.sampled_from(["none", "field", "field", "field", "add", "drop", "raw", "route", "content-type"]))
     mutation = kind
@@ -281,6 +298,10 @@ def cases(draw, model: str = "tiny") -> Case:
         name = draw(st.sampled_from(sorted(body)))
         body = {k: v for k, v in body.items() if k != name}
         mutation = f"drop {name}"
+    if isinstance(body, dict) and endpoint == MESSAGES and not (
+        isinstance(body.get("max_tokens"), int) and body["max_tokens"] <= 64
+    ):
+        body = {**body, "max_tokens": 16}  # required, and bounded here as chat's is
     if isinstance(body, dict) and endpoint in (CHAT, COMPLETIONS) and "max_completion_tokens" not in body:
         max_tokens = body.get("max_tokens")
         if not (isinstance(max_tokens, int) and 0 <= max_tokens <= 64):
@@ -370,6 +391,17 @@ def check_answer(case: Case, status: int, headers: dict[str, str], data: bytes) 
         raise fail("no x-request-id header")
     if status >= 500:
         raise fail("a 5xx")
+    if 400 <= status < 500 and case.path.startswith(MESSAGES):
+        try:
+            body = json.loads(data)
+            error = body["error"]
+        except (ValueError, KeyError, TypeError):
+            raise fail("a 4xx not in Anthropic's error shape") from None
+        if body.get("type") != "error" or set(error) != {"type", "message"} or not error["message"]:
+            raise fail("an Anthropic error without its type and message")
+        if error["type"] == "api_error":
+            raise fail("a 4xx typed api_error")
+        return str(status)
     if 400 <= status < 500:
         try:
             error = json.loads(data)["error"]
@@ -387,6 +419,9 @@ def check_answer(case: Case, status: int, headers: dict[str, str], data: bytes) 
     if status != 200:
         raise fail("neither 200 nor 4xx")
     expected = _expected_choices(case)
+    if case.path == MESSAGES:
+        _check_message(data, fail, lowered.get("content-type", "").startswith("text/event-stream"))
+        return "ok"
     if lowered.get("content-type", "").startswith("text/event-stream"):
         _check_stream(data, fail, expected)
         return "ok-stream"
@@ -413,6 +448,26 @@ def check_answer(case: Case, status: int, headers: dict[str, str], data: bytes) 
     if case.path == DETOKENIZE and not isinstance(body.get("prompt"), str):
         raise fail("a detokenization without its text")
     return "ok"
+
+
+def _check_message(data: bytes, fail, streamed: bool) -> None:
+    """An Anthropic answer: a message with content blocks and a stop
+    reason, or its event sequence from message_start to message_stop (or
+    an error event)."""
+    if streamed:
+        kinds = [json.loads(line[len(b"data: "):]).get("type") for line in data.split(b"\n")
+                 if line.startswith(b"data: ")]
+        if not kinds or kinds[0] != "message_start" or kinds[-1] not in ("message_stop", "error"):
+            raise fail(f"an event stream from {kinds[:1]} to {kinds[-1:]}")
+        return
+    try:
+        message = json.loads(data)
+    except ValueError:
+        raise fail("a 200 whose body is not JSON") from None
+    if message.get("type") != "message" or not isinstance(message.get("content"), list):
+        raise fail("an answer that is not a message with content")
+    if message.get("stop_reason") not in ("end_turn", "max_tokens", "stop_sequence", "tool_use"):
+        raise fail(f"stop_reason {message.get('stop_reason')!r}")
 
 
 def _expected_choices(case: Case) -> int | None:
