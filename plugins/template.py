@@ -152,7 +152,8 @@ def lockgate_render_prompt(request: GenerationRequest, model) -> str:
         messages = _system_merged(messages)
     try:
         return model.tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=True, **extra
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True,
+            **request.chat_template_kwargs, **extra,
         )
     except (jinja2.TemplateSyntaxError, SecurityError, MemoryError):
         # the template itself is broken or tried what the sandbox forbids:

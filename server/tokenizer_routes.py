@@ -38,7 +38,7 @@ from lockgate.server.protocol import read_json_body
 tokenizer_routes = web.RouteTableDef()
 
 #: the fields of a chat request that shape its rendered prompt
-_CHAT_FIELDS = ("messages", "tools", "tool_choice", "functions", "function_call")
+_CHAT_FIELDS = ("messages", "tools", "tool_choice", "functions", "function_call", "chat_template_kwargs")
 
 
 def _model(request: web.Request, name):

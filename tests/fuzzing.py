@@ -291,7 +291,8 @@ def cases(draw, model: str = "tiny") -> Case:
         mutation = f"field {'/'.join(map(str, path))}"
     elif kind == "add":
         name = draw(st.sampled_from(sorted(SAMPLING) + ["tools", "tool_choice", "functions", "echo", "suffix",
-                                                        "best_of", "stream_options", "x-unknown", "n"]))
+                                                        "best_of", "stream_options", "x-unknown", "n",
+                                                        "chat_template_kwargs", "prompt_logprobs"]))
         body = {**body, name: draw(FIELD_VALUES)}
         mutation = f"add {name}"
     elif kind == "drop" and body:

@@ -25,8 +25,6 @@ from lockgate.plugin_api.readers import (
     MAX_STOP_SEQUENCES,
     Message,
     OutputFormat,
-    _at_most_max_tools,
-    _function,
     _object,
     integer,
     json_type,
@@ -36,6 +34,7 @@ from lockgate.plugin_api.readers import (
 )
 from lockgate.plugin_api.request import ChatRequest, param, read_fields
 from lockgate.plugin_api.tool_calls import Tool, ToolCall
+from lockgate.plugin_api.tool_readers import _at_most_max_tools, _function
 
 MESSAGES_ENDPOINT = "messages"
 
@@ -244,6 +243,7 @@ class MessagesRequest(ChatRequest):
     functions: tuple[Tool, ...] = param(())
     function_call: str | None = param(None)
     prompt_logprobs: int | None = param(None)
+    chat_template_kwargs: Mapping[str, Any] = param({})
     # the Messages API's own
     system: str | None = param(None, read_system)
 

@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from lockgate.errors import InvalidRequestError, InvalidSchema
-from lockgate.plugin_api.tool_calls import Tool, ToolCall
+from lockgate.plugin_api.tool_calls import ToolCall
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 #: roles read as another: the current API's `developer` is a system message,
 #: the legacy `function` a tool result
 ROLE_ALIASES = {"developer": "system", "function": "tool"}
-TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-TOOL_CHOICES = ("none", "auto", "required")
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -318,89 +315,6 @@ def read_arguments(value: Any, where: str) -> str:
     return value
 
 
-#: functions one request may offer (OpenAI's limit)
-MAX_TOOLS = 128
-
-
-def read_tools(value: Any, where: str) -> tuple[Tool, ...]:
-    """`tools`: `[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]`."""
-    if not isinstance(value, list):
-        raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
-    _at_most_max_tools(value, where)
-    tools, names = [], set()
-    for i, item in enumerate(value):
-        at = f"{where}[{i}]"
-        tool = _object(item, at)
-        if tool.get("type") != "function":
-            raise InvalidRequestError(
-                f"{at}.type must be 'function' (this server runs no built-in tools)", param=f"{at}.type"
-            )
-        tools.append(_function(tool.get("function"), f"{at}.function", names))
-    return tuple(tools)
-
-
-def read_functions(value: Any, where: str) -> tuple[Tool, ...]:
-    """The deprecated `functions`: `[{"name", "description", "parameters"}]`."""
-    if not isinstance(value, list):
-        raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
-    _at_most_max_tools(value, where)
-    names: set[str] = set()
-    return tuple(_function(item, f"{where}[{i}]", names) for i, item in enumerate(value))
-
-
-def _at_most_max_tools(value: list, where: str) -> None:
-    if len(value) > MAX_TOOLS:
-        raise InvalidRequestError(f"{where} holds {len(value)} functions; at most {MAX_TOOLS} are supported",
-                                  param=where)
-
-
-def _function(value: Any, where: str, names: set[str]) -> Tool:
-    function = _object(value, where)
-    name = function.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.match(name):
-        raise InvalidRequestError(
-            f"{where}.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {json.dumps(name)[:80]}", param=f"{where}.name"
-        )
-    if name in names:
-        raise InvalidRequestError(f"{where}.name: two tools are named {name!r}", param=f"{where}.name")
-    names.add(name)
-    description = function.get("description")
-    if description is not None:
-        string(description, f"{where}.description")
-    parameters = function.get("parameters")
-    if parameters is None:
-        parameters = {"type": "object", "properties": {}}
-    elif not isinstance(parameters, dict):
-        raise InvalidRequestError(
-            f"{where}.parameters must be a JSON schema object, not {json_type(parameters)}", param=f"{where}.parameters"
-        )
-    strict = function.get("strict")
-    if strict is not None:
-        boolean(strict, f"{where}.strict")
-    return Tool(name, description, parameters, bool(strict))
-
-
-def read_tool_choice(value: Any, where: str) -> str:
-    """`tool_choice` (or the legacy `function_call`): "none", "auto",
-    "required", or a tool's name for `{"type": "function", "function": {"name"}}`
-    (legacy: `{"name"}`), kept as `function:<name>`."""
-    if isinstance(value, str):
-        if value not in TOOL_CHOICES:
-            raise InvalidRequestError(
-                f"{where} must be one of {', '.join(TOOL_CHOICES)} or names a function, got {json.dumps(value)[:60]}",
-                param=where,
-            )
-        return value
-    choice = _object(value, where)
-    function = choice.get("function") if "function" in choice else choice
-    if "function" in choice and choice.get("type") != "function":
-        raise InvalidRequestError(f"{where}.type must be 'function'", param=f"{where}.type")
-    name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str):
-        raise InvalidRequestError(f"{where}.function.name must be a string", param=where)
-    return "function:" + name
-
-
 def _content(value: Any, where: str, part_types: tuple[str, ...] = ("text",)) -> str:
     """A message's content as text: a string, or its text parts (of one of
     `part_types`) joined."""
@@ -447,3 +361,38 @@ def read_prompts(value: Any, where: str) -> tuple[Prompt, ...]:
         "or an array of token-id arrays",
         param=where,
     )
+
+
+#: names a chat template is rendered with, or that steer the renderer
+#: (transformers' `apply_chat_template` arguments): a client's
+#: `chat_template_kwargs` may not set them
+TEMPLATE_RESERVED = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception", "strftime_now",
+    "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+    "additional_special_tokens",
+})
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
+
+
+def read_chat_template_kwargs(value: Any, where: str) -> dict[str, Any]:
+    """`chat_template_kwargs`: variables for the chat template to read
+    (Qwen3's `enable_thinking`), JSON values, at most
+    `MAX_TEMPLATE_KWARGS` of them in `MAX_TEMPLATE_KWARGS_BYTES` of JSON;
+    a name the renderer sets itself is refused by name."""
+    kwargs = _object(value, where)
+    if len(kwargs) > MAX_TEMPLATE_KWARGS or len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidRequestError(
+            f"{where} holds at most {MAX_TEMPLATE_KWARGS} variables in {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON",
+            param=where,
+        )
+    for name in kwargs:
+        if name in TEMPLATE_RESERVED or name.startswith("_"):
+            raise InvalidRequestError(
+                f"{where}.{name} cannot be set: the server renders the template with its own {name!r}"
+                if name in TEMPLATE_RESERVED else f"{where}.{name}: names starting with _ are not template variables",
+                param=f"{where}.{name}",
+            )
+    return dict(kwargs)

@@ -40,7 +40,7 @@ from lockgate.plugin_api.readers import (
     boolean,
     integer,
     number,
-    read_functions,
+    read_chat_template_kwargs,
     read_include_usage,
     read_logit_bias,
     read_messages,
@@ -48,11 +48,10 @@ from lockgate.plugin_api.readers import (
     read_response_format,
     read_stop,
     read_stop_token_ids,
-    read_tool_choice,
-    read_tools,
     string,
 )
 from lockgate.plugin_api.tool_calls import Tool
+from lockgate.plugin_api.tool_readers import read_functions, read_tool_choice, read_tools
 
 CHAT_ENDPOINT = "chat.completions"
 COMPLETIONS_ENDPOINT = "completions"
@@ -203,6 +202,8 @@ class ChatRequest(GenerationRequest):
     tools: tuple[Tool, ...] = param((), read_tools)
     #: "none", "auto", "required" or "function:<name>"; None: not given
     tool_choice: str | None = param(None, read_tool_choice)
+    #: variables for the chat template (vLLM's extension: `enable_thinking`, ...)
+    chat_template_kwargs: Mapping[str, Any] = param({}, read_chat_template_kwargs)
     parallel_tool_calls: bool = param(True, boolean)
     # the deprecated forms of `tools` and `tool_choice`
     functions: tuple[Tool, ...] = param((), read_functions)

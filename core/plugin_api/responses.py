@@ -29,11 +29,11 @@ from lockgate.plugin_api.readers import (
     json_type,
     read_arguments,
     read_response_format,
-    read_tools,
     string,
 )
 from lockgate.plugin_api.request import ChatRequest, param, read_fields
 from lockgate.plugin_api.tool_calls import Tool, ToolCall
+from lockgate.plugin_api.tool_readers import read_tools
 
 RESPONSES_ENDPOINT = "responses"
 
@@ -191,6 +191,7 @@ class ResponsesRequest(ChatRequest):
     functions: tuple[Tool, ...] = param(())
     function_call: str | None = param(None)
     prompt_logprobs: int | None = param(None)
+    chat_template_kwargs: Mapping[str, Any] = param({})
     # the Responses API's own
     instructions: str | None = param(None, string)
     #: keep the response (and its conversation) for `previous_response_id`
