@@ -3,9 +3,9 @@ samples, applies the stop rules and streams results back to the event loop.
 
 It runs in its own thread. `Engine.add` is called from the pipeline's worker
 thread and raises typed errors when a request cannot be admitted, so the HTTP
-layer can still answer with a proper status. Results reach each request's
-`RequestHandle` through `loop.call_soon_threadsafe`, at most once per engine
-step (steps the event loop has not caught up with share one hand-over).
+layer can still answer with a proper status (`admission` holds the checks).
+Results reach each request's `RequestHandle` on the event loop through an
+`Outbox` (`delivery`), at most one hand-over per engine step.
 
 What to run each step is the `Scheduler`'s decision; which token comes next
 is the sampler's; when a choice ends is the `StopChecker`'s. This module ties
@@ -24,23 +24,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import structlog
 
+from lockgate.engine.admission import admitted_max_tokens
 from lockgate.engine.client import EngineStats
+from lockgate.engine.delivery import Events, Outbox
 from lockgate.engine.handle import END, Delta, EngineObserver, RequestHandle
 from lockgate.engine.options import EngineOptions
-from lockgate.engine.sampling import SamplingRow, logprobs_of
+from lockgate.engine.sampling import SamplingRow
 from lockgate.engine.scheduler import Scheduler
 from lockgate.engine.state import Choice, RequestState
 from lockgate.engine.stop import LENGTH, StopChecker
 from lockgate.engine.work import Work
-from lockgate.errors import (
-    ChoicesExceedCache,
-    ContextLengthExceeded,
-    InternalError,
-    InvalidRequestError,
-    TokenOutsideVocabulary,
-    TooManyChoices,
-    Unavailable,
-)
+from lockgate.errors import InternalError, Unavailable
 
 if TYPE_CHECKING:  # the engine needs the interface only to name it
     from lockgate.models.executor import Executor
@@ -52,8 +46,6 @@ UNHEALTHY_AFTER_FAILURES = 3
 
 #: how a request left the engine, for the observer
 SUCCESS, ERROR, ABORTED = "success", "error", "aborted"
-
-Events = list[tuple[RequestHandle, Any]]
 
 
 class Engine:
@@ -91,11 +83,8 @@ class Engine:
         # re-entrant: a request may be retired while the lock is already held
         self._cond = threading.Condition(threading.RLock())
         self._aborts: list[RequestHandle] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        # results of steps not yet handed to the event loop (see `_deliver`)
-        self._outbox: Events = []
-        self._outbox_lock = threading.Lock()
-        self._handover_scheduled = False
+        # results of steps on their way to the event loop
+        self._outbox = Outbox()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._exit_requested = False
@@ -125,10 +114,7 @@ class Engine:
         delivered on `loop`."""
         if self._thread is not None:
             raise RuntimeError("the engine is already running")
-        self._loop = loop
-        with self._outbox_lock:  # what a closed loop never took is nobody's
-            self._outbox = []
-            self._handover_scheduled = False
+        self._outbox.open(loop)
         self._stopping = False
         self._kv_free_pages = self.executor.free_pages()
         self._thread = threading.Thread(target=self._run, name=f"lockgate-{self.name}", daemon=True)
@@ -192,63 +178,17 @@ class Engine:
     # ----------------------------------------------------------- admission
 
     def add(self, work: Work) -> RequestHandle:
-        """Queue `work` for admission, or raise why it cannot be.
-
-        Raises `ContextLengthExceeded`, `TooManyChoices`,
-        `TokenOutsideVocabulary`, `ChoicesExceedCache` (400) for a request
-        that can never run, `Overloaded` (429) when the queue is full,
-        `Unavailable` (503) when unhealthy or shutting down.
-        """
+        """Queue `work` for admission, or raise why it cannot be: the 400s
+        of a request that can never run (`admission`), `Overloaded` (429)
+        when the queue is full, `Unavailable` (503) when unhealthy or
+        shutting down."""
         if not self.healthy:
             raise Unavailable(
                 "the engine is not serving: "
                 + (self.unhealthy_reason or "the server is shutting down"),
                 retry_after=self.options.retry_after,
             )
-        params = work.params
-        prompt_len = len(work.prompt_token_ids)
-        if prompt_len == 0:
-            raise InvalidRequestError("the prompt is empty", subject="prompt")
-        if params.n > self.max_n:
-            if not self.executor.shares_prefixes:
-                raise TooManyChoices(
-                    "n must be 1 for this model: its sliding-window attention cannot share a "
-                    "prompt's KV cache between choices; send n separate requests"
-                )
-            raise TooManyChoices(f"n must be at most {self.max_n}")
-        if prompt_len >= self.context_length:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.context_length} tokens. "
-                f"However, your prompt is {prompt_len} tokens, which leaves no room "
-                "for a completion. Please reduce the length of the prompt.",
-                subject="prompt",
-            )
-        max_tokens = self.context_length - prompt_len if params.max_tokens is None else params.max_tokens
-        if prompt_len + max_tokens > self.context_length:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.context_length} tokens. "
-                f"However, you requested {prompt_len + max_tokens} tokens "
-                f"({prompt_len} in the prompt, {max_tokens} in the completion). "
-                "Please reduce the length of the prompt or completion.",
-                subject="max_tokens",
-            )
-        vocab_size = self.executor.vocab_size
-        for subject, tokens in (
-            ("prompt", work.prompt_token_ids),
-            ("logit_bias", params.logit_bias),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            for token in tokens:
-                if not 0 <= token < vocab_size:
-                    raise TokenOutsideVocabulary(
-                        f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", subject=subject
-                    )
-        pages = self.scheduler.pages_alone(prompt_len, max_tokens, params.n)
-        if pages > self.executor.total_pages:
-            raise ChoicesExceedCache(
-                f"the request needs {pages} KV pages with n={params.n}, more than the "
-                f"server's {self.executor.total_pages}; lower n or max_tokens"
-            )
+        max_tokens = admitted_max_tokens(self, work)
         handle = RequestHandle(self, work, max_tokens)
         state = RequestState(handle, self.tokenizer)
         with self._cond:
@@ -296,7 +236,7 @@ class Engine:
         if batch.prefill:
             self._run_prefill(batch.prefill, events)
         self._note_pages()
-        self._deliver(events)
+        self._outbox.deliver(events)
 
     def _process_aborts(self) -> None:
         aborted = {id(handle) for handle in self._aborts}
@@ -341,7 +281,7 @@ class Engine:
             first_row, row = row, row + (len(tokens) if all_rows else 1)
             if all_rows:
                 try:
-                    self._note_prompt_logprobs(choice, logits, first_row, len(tokens))
+                    choice.request.note_prompt_logprobs(choice.kv_len, logits, first_row, len(tokens))
                 except Exception:
                     log.exception("prompt logprobs failed", request_id=choice.request.request_id)
                     self._retire(choice.request, ERROR, InternalError("prompt logprobs failed for this request"),
@@ -353,23 +293,6 @@ class Engine:
         ready, rows = self._forked_when_prompt_is_in(done, events)
         if ready:
             self._sample(ready, logits[rows], events)
-
-    def _note_prompt_logprobs(self, choice: Choice, logits, first_row: int, count: int) -> None:
-        """Take the prompt logprobs a chunk's rows give: the chunk starts at
-        position `choice.kv_len`, and its row `j` (logits row `first_row +
-        j`) is the distribution of the token at position `kv_len + j + 1`."""
-        state = choice.request
-        found = state.prompt_logprobs
-        start = choice.kv_len
-        first = len(found)  # the first position still without one
-        last = min(start + count, len(state.prompt_ids) - 1)
-        if first < start + 1:
-            raise RuntimeError(f"prompt logprobs from position {first} missing, the chunk starts at {start}")
-        positions = range(first, last + 1)
-        found += logprobs_of(
-            logits, [first_row + q - start - 1 for q in positions], [state.prompt_ids[q] for q in positions],
-            state.params.prompt_logprobs,
-        )
 
     def _forked_when_prompt_is_in(
         self, done: list[tuple[int, Choice]], events: Events
@@ -475,26 +398,13 @@ class Engine:
             choice.finished = True
         if final is not None:
             events.append((state.handle, final))
-        ttft = tpot = None
+        ttft, tpot = state.latencies() if outcome == SUCCESS else (None, None)
         completion_tokens = state.completion_tokens
-        if outcome == SUCCESS and state.first_token_at is not None:
-            ttft = state.first_token_at - state.arrived_at
-            later_tokens = completion_tokens - len(state.choices)
-            if later_tokens > 0:
-                tpot = (time.monotonic() - state.first_token_at) / later_tokens
-        self.observer.request_finished(
-            ttft=ttft, tpot=tpot, prompt_tokens=len(state.prompt_ids),
-            completion_tokens=completion_tokens, outcome=outcome,
-        )
-        log.debug(
-            "request retired",
-            request_id=state.request_id,
-            outcome=outcome,
-            prompt_tokens=len(state.prompt_ids),
-            completion_tokens=completion_tokens,
-            ttft_ms=None if ttft is None else round(ttft * 1000, 1),
-            preemptions=state.preemptions,
-        )
+        self.observer.request_finished(ttft=ttft, tpot=tpot, prompt_tokens=len(state.prompt_ids),
+                                       completion_tokens=completion_tokens, outcome=outcome)
+        log.debug("request retired", request_id=state.request_id, outcome=outcome,
+                  prompt_tokens=len(state.prompt_ids), completion_tokens=completion_tokens,
+                  ttft_ms=None if ttft is None else round(ttft * 1000, 1), preemptions=state.preemptions)
 
     def _fail_all(self, error: Exception) -> None:
         """Fail every queued and running request with `error`."""
@@ -503,7 +413,7 @@ class Engine:
             for state in [*self.scheduler.waiting, *self.scheduler.running]:
                 self._retire(state, ERROR, error, events)
             self._note_pages()
-        self._deliver(events)
+        self._outbox.deliver(events)
 
     def _note_pages(self) -> None:
         """Page counts for other threads (health, metrics), which may not ask
@@ -530,31 +440,3 @@ class Engine:
             self.unhealthy_reason = f"{self._consecutive_failures} engine steps failed in a row ({reason})"
             log.error("engine is unhealthy", reason=self.unhealthy_reason)
             self._fail_all(Unavailable("the engine is unhealthy", retry_after=self.options.retry_after))
-
-    def _deliver(self, events: Events) -> None:
-        """Hand a step's results to the handles, on the event loop.
-
-        Steps whose results the loop has not taken yet share its one
-        scheduled hand-over: a loop that falls behind takes several steps
-        at once, with one wake-up instead of one per step (each wake-up is
-        a write to the loop's self-pipe and a turn of the GIL)."""
-        if not events or self._loop is None:
-            return
-        with self._outbox_lock:
-            self._outbox.extend(events)
-            if self._handover_scheduled:
-                return
-            self._handover_scheduled = True
-        try:
-            self._loop.call_soon_threadsafe(self._hand_over)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            with self._outbox_lock:
-                self._outbox.clear()
-                self._handover_scheduled = False
-
-    def _hand_over(self) -> None:
-        with self._outbox_lock:
-            events, self._outbox = self._outbox, []
-            self._handover_scheduled = False
-        for handle, item in events:
-            handle.put(item)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lockgate.engine.detokenizer import IncrementalDetokenizer
-from lockgate.engine.sampling import TokenLogprob, make_generator
+from lockgate.engine.sampling import TokenLogprob, logprobs_of, make_generator
 
 if TYPE_CHECKING:
     from lockgate.engine.handle import RequestHandle
@@ -103,6 +103,21 @@ class RequestState:
         prompt cannot come from the prefix cache)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
+    def note_prompt_logprobs(self, start: int, logits, first_row: int, count: int) -> None:
+        """Take the prompt logprobs a prefill chunk's rows give: the chunk
+        starts at position `start`, and its row `j` (logits row `first_row +
+        j`) is the distribution of the token at position `start + j + 1`."""
+        found = self.prompt_logprobs
+        first = len(found)  # the first position still without one
+        last = min(start + count, len(self.prompt_ids) - 1)
+        if first < start + 1:
+            raise RuntimeError(f"prompt logprobs from position {first} missing, the chunk starts at {start}")
+        positions = range(first, last + 1)
+        found += logprobs_of(
+            logits, [first_row + q - start - 1 for q in positions], [self.prompt_ids[q] for q in positions],
+            self.params.prompt_logprobs,
+        )
+
     @property
     def live_choices(self) -> list[Choice]:
         return [c for c in self.choices if not c.finished]
@@ -115,6 +130,15 @@ class RequestState:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.output_ids) for c in self.choices)
+
+    def latencies(self) -> tuple[float | None, float | None]:
+        """Seconds from arrival to the first token, and the mean seconds per
+        token after each choice's first (None where there is none)."""
+        if self.first_token_at is None:
+            return None, None
+        later_tokens = self.completion_tokens - len(self.choices)
+        tpot = (time.monotonic() - self.first_token_at) / later_tokens if later_tokens > 0 else None
+        return self.first_token_at - self.arrived_at, tpot
 
     def new_choices(self) -> list[Choice]:
         """The `n - 1` choices that fork from the first."""

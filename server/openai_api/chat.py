@@ -107,14 +107,13 @@ async def _answer(request: web.Request, typed: ChatRequest, model: Model, handle
         tool_format = model.tool_call_format.with_tools(typed.offered_tools)
     if typed.stream:
         include_usage = typed.include_usage
-        chunks = plain_chunks(builder, include_usage)
-        if tool_format is not None:
-            readers: dict[int, Any] = {}
+        readers: dict[int, Any] = {}
 
-            def chunks(index: int, delta: Delta) -> list[bytes]:
-                reader = readers.setdefault(index, tool_format.stream())
-                return [sse_frame(c) for c in _tool_stream_chunks(builder, reader, index, delta, include_usage)]
+        def tool_chunks(index: int, delta: Delta) -> list[bytes]:
+            reader = readers.setdefault(index, tool_format.stream())
+            return [sse_frame(c) for c in _tool_stream_chunks(builder, reader, index, delta, include_usage)]
 
+        chunks = plain_chunks(builder, include_usage) if tool_format is None else tool_chunks
         first = [builder.role_chunk(index, include_usage) for index in range(sum(h.n for h in handles))]
         return await stream(request, handles, builder, include_usage=include_usage, chunks=chunks, first=first)
     collected = await collect(request, handles, with_logprobs=typed.requested_logprobs() is not None)
