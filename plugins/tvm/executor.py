@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 from collections.abc import Sequence
@@ -11,9 +10,10 @@ import numpy as np
 import structlog
 
 from lockgate.errors import ModelLoadError
-from lockgate.memory import Trimmer, trim_allocator
+from lockgate.memory import Trimmer
 from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
 from lockgate.plugins.tvm import runtime
+from lockgate.plugins.tvm.device_logits import DeviceLogits, View
 
 log = structlog.get_logger("lockgate.executor")
 
@@ -34,61 +34,6 @@ _PAD_ID_BASE = 1 << 62
 LARGE_PREFILL_TOKENS = 128
 
 
-def _set_num_threads(num_threads: int | None) -> None:
-    """Size TVM's CPU thread pool.
-
-    None keeps an explicit `TVM_NUM_THREADS` and otherwise uses every CPU
-    this process may run on: left alone, TVM counts physical cores by its
-    own heuristics and picked one thread on two-vCPU machines.
-    """
-    if num_threads is None:
-        if os.environ.get("TVM_NUM_THREADS"):
-            return
-        num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if num_threads < 1:
-        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
-    # The pool reads the variable when it first starts; the explicit call
-    # resizes a pool that another executor in this process already started.
-    os.environ["TVM_NUM_THREADS"] = str(num_threads)
-    runtime.get_global_func("runtime.config_threadpool")(1, num_threads)
-
-
-def _release_loading_memory() -> None:
-    """Return what loading the weights left behind to the OS.
-
-    Repacking the GGUF tensors leaves reference cycles holding temporary
-    arrays, and glibc keeps freed heap pages mapped; together about 130 MiB
-    of resident memory on the default model until both are released.
-    """
-    gc.collect()
-    trim_allocator()
-
-
-def _upload(array: np.ndarray, device):
-    """`array` (possibly a strided view) as a TVM tensor on `device`, copied
-    once: on the CPU straight into the tensor's own memory. Making it
-    contiguous first and copying that in held a paneled weight up to three
-    times over (the default model's load peak: 296 -> 268 MiB)."""
-    return runtime.from_numpy(array, device)
-
-
-def _open_tensors(model_file: ModelFile):
-    """The model's tensors under llama.cpp's names: a GGUF file's, or a
-    Hugging Face directory's safetensors."""
-    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
-
-    if os.path.isdir(model_file.path):
-        from lockgate.models.hf import HFTensors
-
-        return HFTensors(model_file.path, model_file.family)
-    try:
-        # the header as the loader already read it, else read here: once either way
-        source = model_file.metadata if model_file.metadata is not None else model_file.path
-        return GGUFTensors(source)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
-
-
 class TVMExecutor(Executor):
     """Runs `embed`, `batch_prefill` and `batch_decode` of a compiled model.
 
@@ -101,8 +46,9 @@ class TVMExecutor(Executor):
         for name in ("max_num_seqs", "max_total_tokens", "prefill_chunk_size"):
             if getattr(options, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(options, name)}")
-        _set_num_threads(options.num_threads)
+        runtime.set_num_threads(options.num_threads)
 
+        from lockgate.plugins.tvm import weights
         from lockgate.plugins.tvm.compile_cache import model_library, target_kind
         from lockgate.plugins.tvm.formats import CPU_ACTIVATIONS
         from lockgate.plugins.tvm.weights import (
@@ -120,7 +66,7 @@ class TVMExecutor(Executor):
         # the runtime alone answers this and finds a cached library: TVM's
         # compiler is loaded only to build one (`compile_cache`)
         kind = target_kind(options.target)
-        tensors = _open_tensors(model_file)
+        tensors = weights.open_tensors(model_file)
         family = model_file.family
         if family is None:
             from lockgate.plugins.tvm import builtin_families
@@ -159,7 +105,7 @@ class TVMExecutor(Executor):
         self._progress("loading weights…")
         try:
             self._params = [
-                _upload(array, self.device)
+                weights.upload(array, self.device)
                 for array in iter_gguf_weights(
                     tensors,
                     config,
@@ -174,7 +120,7 @@ class TVMExecutor(Executor):
         except OSError as exc:
             raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
         del tensors  # unmaps the file
-        _release_loading_memory()
+        weights.release_loading_memory()
 
         # On the CPU the VM's default pooled allocator keeps a buffer for every
         # shape it has seen (each batch size and prefill length): under varied
@@ -419,16 +365,16 @@ class TVMExecutor(Executor):
             return logits
         return np.asarray(runtime.to_numpy(logits), dtype=np.float32)
 
-    def _on_device(self, tensor, n: int) -> "DeviceLogits":
+    def _on_device(self, tensor, n: int) -> DeviceLogits:
         """The first `n` rows of the `[..., vocab]` logits `tensor`, left
         on the device."""
         held = math.prod(int(d) for d in tensor.shape) // self.vocab_size
         view = tensor if len(tensor.shape) == 2 else runtime.create_view(tensor, (held, self.vocab_size))
         return DeviceLogits(tensor, view, np.arange(n, dtype=np.int64))
 
-    def _embed_tokens(self, tokens: np.ndarray) -> "_View":
+    def _embed_tokens(self, tokens: np.ndarray) -> View:
         out = self._embed(self._to_device(tokens), self._params)
-        return _View(out)
+        return View(out)
 
     def _to_device(self, array: np.ndarray):
         return runtime.from_numpy(np.ascontiguousarray(array, dtype=np.int32), self.device)
@@ -483,76 +429,6 @@ class TVMExecutor(Executor):
         free = self.free_pages()
         if needed > free:
             raise ValueError(f"{needed} KV pages needed but only {free} are free")
-
-
-class DeviceLogits:
-    """Logits a forward pass left on the device, and which of its rows they
-    are: `index[i]` is the tensor row of logits row `i` (rows may repeat:
-    the choices of one request share its prompt's row; the padding rows of
-    a CUDA-graph bucket are in no index).
-
-    It answers what the engine asks of logits: `len()`, `.shape` and
-    `logits[row_indices]` (a list, array or slice), which composes the index
-    and copies nothing. `numpy()` (or `np.asarray`) copies the rows to the
-    host, and `logits[i]` row `i`, for tests and other readers. Valid until
-    the executor's next `prefill` or `decode`, which may reuse the memory.
-    """
-
-    __slots__ = ("base", "tensor", "index")
-
-    dtype = np.dtype(np.float32)
-    ndim = 2
-
-    def __init__(self, base, tensor, index: np.ndarray) -> None:
-        #: the forward pass's output, kept alive for `tensor`, a view of it
-        self.base = base
-        #: `[held, vocab]` on the device
-        self.tensor = tensor
-        self.index = index
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (len(self.index), int(self.tensor.shape[1]))
-
-    def __getitem__(self, rows):
-        if isinstance(rows, (int, np.integer)):
-            # one row, on the host (numpy's `logits[i]`)
-            row = int(self.index[rows])
-            view = runtime.create_view(self.tensor, (row + 1, self.shape[1]))
-            return np.asarray(runtime.to_numpy(view)[row], dtype=np.float32)
-        if isinstance(rows, tuple):
-            raise TypeError("DeviceLogits takes row indices (an int, a list or a slice); use numpy() for more")
-        index = self.index[rows if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)]
-        if index.ndim != 1:
-            raise TypeError("DeviceLogits takes a flat list of row indices")
-        return DeviceLogits(self.base, self.tensor, index)
-
-    def numpy(self) -> np.ndarray:
-        """The rows on the host, `(len(self), vocab)` float32."""
-        return np.asarray(runtime.to_numpy(self.tensor), dtype=np.float32)[self.index]
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        array = self.numpy()
-        return array if dtype is None else array.astype(dtype, copy=False)
-
-    def __repr__(self) -> str:
-        return f"DeviceLogits(shape={self.shape}, held={int(self.tensor.shape[0])}, device={self.tensor.device})"
-
-
-class _View:
-    """A device tensor and its reshaped view, kept together so the base
-    outlives the view."""
-
-    def __init__(self, tensor) -> None:
-        self.base = tensor
-        self.tensor = tensor
-
-    def view_as(self, shape: tuple[int, ...]) -> "_View":
-        self.tensor = runtime.create_view(self.base, shape)
-        return self
 
 
 def create_executor(model_file: ModelFile, options: ExecutorOptions) -> TVMExecutor:

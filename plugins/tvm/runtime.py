@@ -166,3 +166,22 @@ def load_vm(path: str, dev, allocator: str = "pooled"):
         args += [int(tvm_ffi.DLDeviceType.kDLCPU), 0, _ALLOCATORS[allocator]]
     executable["vm_initialization"](*args)
     return executable
+
+
+def set_num_threads(num_threads: int | None) -> None:
+    """Size TVM's CPU thread pool.
+
+    None keeps an explicit `TVM_NUM_THREADS` and otherwise uses every CPU
+    this process may run on: left alone, TVM counts physical cores by its
+    own heuristics and picked one thread on two-vCPU machines.
+    """
+    if num_threads is None:
+        if os.environ.get("TVM_NUM_THREADS"):
+            return
+        num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be at least 1, got {num_threads}")
+    # The pool reads the variable when it first starts; the explicit call
+    # resizes a pool that another executor in this process already started.
+    os.environ["TVM_NUM_THREADS"] = str(num_threads)
+    get_global_func("runtime.config_threadpool")(1, num_threads)

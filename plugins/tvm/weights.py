@@ -21,13 +21,18 @@ way, in rows (`layers.Embedding`).
 
 from __future__ import annotations
 
+import gc
+import os
 from collections.abc import Callable, Iterable, Iterator
 
 import gguf
 import numpy as np
 
 from lockgate.errors import ModelLoadError
+from lockgate.memory import trim_allocator
 from lockgate.models.config import ModelConfig
+from lockgate.models.executor import ModelFile
+from lockgate.plugins.tvm import runtime
 from lockgate.plugins.tvm.formats import FORMATS, pack_blocks, split_groups
 from lockgate.plugins.tvm.gguf_tensors import FORMAT_OF_TYPE, PLAIN_TYPES, TYPE_OF_FORMAT, GGUFTensors
 
@@ -365,3 +370,42 @@ def describe_load_report(report: dict) -> str:
         f"{row['format']} {row['tensors']} tensors {row['bytes'] / mib:.1f} MiB (file {row['file_bytes'] / mib:.1f} MiB)"
         for row in report["formats"]
     )
+
+
+# ------------------------------------------------------------------ loading helpers
+
+
+def release_loading_memory() -> None:
+    """Return what loading the weights left behind to the OS.
+
+    Repacking the GGUF tensors leaves reference cycles holding temporary
+    arrays, and glibc keeps freed heap pages mapped; together about 130 MiB
+    of resident memory on the default model until both are released.
+    """
+    gc.collect()
+    trim_allocator()
+
+
+def upload(array: np.ndarray, device):
+    """`array` (possibly a strided view) as a TVM tensor on `device`, copied
+    once: on the CPU straight into the tensor's own memory. Making it
+    contiguous first and copying that in held a paneled weight up to three
+    times over (the default model's load peak: 296 -> 268 MiB)."""
+    return runtime.from_numpy(array, device)
+
+
+def open_tensors(model_file: ModelFile):
+    """The model's tensors under llama.cpp's names: a GGUF file's, or a
+    Hugging Face directory's safetensors."""
+    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
+
+    if os.path.isdir(model_file.path):
+        from lockgate.models.hf import HFTensors
+
+        return HFTensors(model_file.path, model_file.family)
+    try:
+        # the header as the loader already read it, else read here: once either way
+        source = model_file.metadata if model_file.metadata is not None else model_file.path
+        return GGUFTensors(source)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read GGUF file {model_file.path}: {exc}") from exc
