@@ -34,7 +34,7 @@ from lockgate.plugin_api.readers import (
 )
 from lockgate.plugin_api.request import ChatRequest, param, read_fields
 from lockgate.plugin_api.tool_calls import Tool, ToolCall
-from lockgate.plugin_api.tool_readers import _at_most_max_tools, _function
+from lockgate.plugin_api.tool_readers import _function, tool_objects
 
 MESSAGES_ENDPOINT = "messages"
 
@@ -140,13 +140,8 @@ def read_anthropic_tools(value: Any, where: str) -> tuple[Tool, ...]:
     """`tools`: `{"name", "description", "input_schema"}` (type absent or
     "custom"); Anthropic's server tools (web search, code execution, bash,
     the text editor, ...) are refused by name: this server runs none."""
-    if not isinstance(value, list):
-        raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
-    _at_most_max_tools(value, where)
     tools, names = [], set()
-    for i, item in enumerate(value):
-        at = f"{where}[{i}]"
-        tool = _object(item, at)
+    for at, tool in tool_objects(value, where):
         if tool.get("type", "custom") != "custom":
             raise UnsupportedParameter(
                 f"{at}.type {json.dumps(tool.get('type'))[:60]} is not supported: this server runs no server "

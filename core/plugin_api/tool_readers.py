@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from lockgate.errors import InvalidRequestError
@@ -19,15 +20,18 @@ TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128
 
 
-def read_tools(value: Any, where: str) -> tuple[Tool, ...]:
-    """`tools`: `[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]`."""
+def tool_objects(value: Any, where: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """The objects of a `tools` array (at most `MAX_TOOLS`), each with its param path."""
     if not isinstance(value, list):
         raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
     _at_most_max_tools(value, where)
+    return [(f"{where}[{i}]", _object(item, f"{where}[{i}]")) for i, item in enumerate(value)]
+
+
+def read_tools(value: Any, where: str) -> tuple[Tool, ...]:
+    """`tools`: `[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]`."""
     tools, names = [], set()
-    for i, item in enumerate(value):
-        at = f"{where}[{i}]"
-        tool = _object(item, at)
+    for at, tool in tool_objects(value, where):
         if tool.get("type") != "function":
             raise InvalidRequestError(
                 f"{at}.type must be 'function' (this server runs no built-in tools)", param=f"{at}.type"
