@@ -97,6 +97,15 @@ def prepare_request(
         return handles
 
 
+def tool_output_format(request: ChatRequest, model: Model):
+    """The tool-call format a request's output is read with (its calls parsed
+    out of the text), bound to the tools offered; None when the output is
+    plain text (no tools offered or used, or a model without a format)."""
+    if request.reads_tool_output and model.tool_call_format is not None:
+        return model.tool_call_format.with_tools(request.offered_tools)
+    return None
+
+
 def tool_sampling(request: ChatRequest, model: Model) -> dict:
     """What tools change in how the engine samples besides the grammar
     (`grammars.grammar_for`): the format's markers kept in the text."""

@@ -19,7 +19,7 @@ from lockgate.engine import Handle, Usage
 from lockgate.errors import ErrorResponse
 from lockgate.models import Model
 from lockgate.plugin_api.messages import MessagesRequest, parse_messages_request
-from lockgate.plugin_api.pipeline import errors_named_for, prompt_token_ids
+from lockgate.plugin_api.pipeline import errors_named_for, prompt_token_ids, tool_output_format
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.server.keys import MODELS, PLUGIN_MANAGER, REQUEST_ID
 from lockgate.server.protocol import anthropic_error_body, read_json_body
@@ -76,9 +76,7 @@ def _parse(request: web.Request, body: dict[str, Any], model: Model) -> Messages
 
 
 async def _answer(request: web.Request, typed: MessagesRequest, model: Model, handles: list[Handle]):
-    tool_format = None
-    if typed.reads_tool_output and model.tool_call_format is not None:
-        tool_format = model.tool_call_format.with_tools(typed.offered_tools)
+    tool_format = tool_output_format(typed, model)
     builder = MessageBuilder(typed, model.name)
     if typed.stream:
         return await _stream(request, handles, builder, tool_format)

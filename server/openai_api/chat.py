@@ -12,6 +12,7 @@ from aiohttp import web
 from lockgate.engine import Delta, Handle
 from lockgate.engine.sampling import TokenLogprob
 from lockgate.models import Model
+from lockgate.plugin_api.pipeline import tool_output_format
 from lockgate.plugin_api.request import CHAT_ENDPOINT, ChatRequest, parse_request
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.server.keys import REQUEST_ID
@@ -102,9 +103,7 @@ def _parse(request: web.Request, body: dict[str, Any], model: Model) -> ChatRequ
 async def _answer(request: web.Request, typed: ChatRequest, model: Model, handles: list[Handle]):
     builder = ChatCompletionBuilder(request_id=typed.id, model=model.name, token_bytes=model.token_bytes)
     # the model's tool calls are read out of its text here, by the tools offered
-    tool_format = None
-    if typed.reads_tool_output and model.tool_call_format is not None:
-        tool_format = model.tool_call_format.with_tools(typed.offered_tools)
+    tool_format = tool_output_format(typed, model)
     if typed.stream:
         include_usage = typed.include_usage
         readers: dict[int, Any] = {}

@@ -23,6 +23,7 @@ from aiohttp import web
 from lockgate.engine import Handle
 from lockgate.errors import ErrorResponse, LockgateError
 from lockgate.models import Model
+from lockgate.plugin_api.pipeline import tool_output_format
 from lockgate.plugin_api.readers import Message, string
 from lockgate.plugin_api.responses import ResponsesRequest, parse_responses_request
 from lockgate.plugin_api.tool_calls import ToolCall
@@ -176,9 +177,7 @@ def _parse(request: web.Request, body: dict[str, Any], model: Model) -> Response
 
 async def _answer(request: web.Request, typed: ResponsesRequest, model: Model, handles: list[Handle]):
     store, owner = request.config_dict[RESPONSE_STORE], owner_of(request)
-    tool_format = None
-    if typed.reads_tool_output and model.tool_call_format is not None:
-        tool_format = model.tool_call_format.with_tools(typed.offered_tools)
+    tool_format = tool_output_format(typed, model)
     builder = ResponseObjectBuilder(typed, model.name)
     if typed.stream:
         return await _stream(request, typed, handles, builder, tool_format, store, owner)
