@@ -164,6 +164,11 @@ SETTINGS: tuple[Setting, ...] = (
             "how the model writes tool calls: `generic`, `hermes`, `qwen3-coder`, `llama3`, `mistral`, `gemma4` "
             "or a plugin's format",
             default_text="from the chat template"),
+    Setting("reasoning_format", str, None,
+            "how the model writes its thinking apart from its answer: `deepseek_r1`, `qwen3` or a plugin's "
+            "format, whose thinking answers carry as `reasoning_content` (chat), `reasoning` items "
+            "(Responses) and `thinking` blocks (Messages); `none` leaves it in the answer's text",
+            default_text="from the chat template"),
     Setting("max_tool_calls", int, 16,
             "most tool calls one answer may carry: the grammar that constrains calls (`tool_choice` "
             "`required`, a named tool, and `auto` with the `generic` format) ends the list there, so a "

@@ -150,6 +150,10 @@ def lockgate_render_prompt(request: GenerationRequest, model) -> str:
         messages = _tools_in_text(request, messages, fmt)
     if not supports_system_role(model.tokenizer, template):
         messages = _system_merged(messages)
+    if model.reasoning_format is not None and "enable_thinking" not in request.chat_template_kwargs:
+        # thinking on unless the request says otherwise, as llama.cpp renders
+        # (its copies of QwQ's and R1's templates close the tag without it)
+        extra["enable_thinking"] = True
     try:
         return model.tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False, add_generation_prompt=True,

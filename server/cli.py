@@ -75,10 +75,12 @@ def list_plugins(as_json: bool) -> None:
         print(f"{plugin['name']}{origin}")
         for hook in plugin["hooks"]:
             print(f"    {hook}")
-    from lockgate.models.loading import registered_tool_call_formats
+    from lockgate.models.loading import registered_reasoning_formats, registered_tool_call_formats
 
     formats = registered_tool_call_formats(pm)
     print("tool-call formats (tried in this order): " + ", ".join(f.name for f in formats))
+    reasoning = registered_reasoning_formats(pm)
+    print("reasoning formats (tried in this order): " + ", ".join(f.name for f in reasoning))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,10 +24,11 @@ import pytest
 
 from lockgate.errors import InvalidMessages
 from lockgate.models.gguf_metadata import GGUFMetadata, MetadataField
-from lockgate.models.loading import registered_tool_call_formats
+from lockgate.models.loading import registered_reasoning_formats, registered_tool_call_formats
 from lockgate.models.tokenizer import load_tokenizer
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.plugin_api.request import CHAT_ENDPOINT, parse_request
+from lockgate.plugin_api.reasoning import choose_reasoning_format
 from lockgate.plugin_api.tool_calls import choose_tool_call_format
 from llama_cpp_reference import reference_models_dir
 
@@ -105,7 +106,7 @@ def with_tool_use_template(name: str) -> GGUFMetadata:
 @functools.cache
 def model(name: str):
     """What the prompt hooks read of a model: its name, tokenizer (with the
-    template) and tool-call format. A `-tool_use` template is what a GGUF
+    template), tool-call format and reasoning format. A `-tool_use` template is what a GGUF
     file carries as `tokenizer.chat_template.tool_use`, beside the model's
     plain default; the others replace the vocabulary's template."""
     template = template_text(name)
@@ -116,8 +117,10 @@ def model(name: str):
     # the format the template offering tools writes (llama.cpp reads calls
     # by the template it rendered with)
     formats = registered_tool_call_formats(plugin_manager())
+    thinking = choose_reasoning_format(registered_reasoning_formats(plugin_manager()), None, template)
     return types.SimpleNamespace(
-        name=name, tokenizer=tokenizer, tool_call_format=choose_tool_call_format(formats, None, template)
+        name=name, tokenizer=tokenizer, tool_call_format=choose_tool_call_format(formats, None, template),
+        reasoning_format=thinking,
     )
 
 
@@ -218,7 +221,7 @@ def test_a_template_that_breaks_on_a_request_refuses_it_as_a_400():
     name = "NousResearch-Hermes-3-Llama-3.1-8B-tool_use"
     only = types.SimpleNamespace(
         name=name, tokenizer=load_tokenizer(vocabulary(name), chat_template=template_text(name)),
-        tool_call_format=model(name).tool_call_format,
+        tool_call_format=model(name).tool_call_format, reasoning_format=None,
     )
     request = parse_request(CHAT_ENDPOINT, CONVERSATION, request_id="t")
     with pytest.raises(InvalidMessages, match="TypeError") as refused:

@@ -18,6 +18,7 @@ from lockgate.memory import trim_allocator
 from lockgate.models.executor import Executor, ExecutorFactory, ExecutorOptions, ModelFile
 from lockgate.models.config import ModelConfig
 from lockgate.models.families import ModelFamilies, ModelFamily
+from lockgate.plugin_api.reasoning import choose_reasoning_format
 from lockgate.plugin_api.tool_calls import chat_template_for, choose_tool_call_format
 from lockgate.settings import setting_default
 
@@ -50,6 +51,8 @@ class Model:
     tool_call_format: Any = None
     #: most calls one answer may carry (`--max-tool-calls`)
     max_tool_calls: int = setting_default("max_tool_calls")
+    #: how this model writes its thinking (`lockgate.plugin_api.reasoning.ReasoningFormat`)
+    reasoning_format: Any = None
 
     @functools.cached_property
     def token_bytes(self):
@@ -140,6 +143,13 @@ def registered_tool_call_formats(pm: pluggy.PluginManager) -> list[type]:
     return formats
 
 
+def registered_reasoning_formats(pm: pluggy.PluginManager) -> list[type]:
+    """Every reasoning format plugins offer, in the order they are tried."""
+    formats: list[type] = []
+    pm.hook.lockgate_register_reasoning_formats(register=formats.append)
+    return formats
+
+
 @dataclasses.dataclass
 class ModelSource:
     """What serving a model needs besides its executor: the file, its
@@ -157,6 +167,7 @@ class ModelSource:
     aliases: tuple[str, ...] = ()
     tool_call_format: Any = None
     max_tool_calls: int = setting_default("max_tool_calls")
+    reasoning_format: Any = None
 
     def model_file(self) -> ModelFile:
         return ModelFile(path=self.path, config=self.config, family=self.family, metadata=self.metadata)
@@ -175,6 +186,7 @@ class ModelSource:
             aliases=self.aliases,
             tool_call_format=self.tool_call_format,
             max_tool_calls=self.max_tool_calls,
+            reasoning_format=self.reasoning_format,
         )
 
 
@@ -186,6 +198,7 @@ def open_model(
     chat_template: str | None = None,
     tool_call_format: str | None = None,
     max_tool_calls: int = setting_default("max_tool_calls"),
+    reasoning_format: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ModelSource:
     """Find `model` (a registered name or alias, a path to a GGUF file, or
@@ -232,6 +245,9 @@ def open_model(
     try:
         # calls are written the way the template a request with tools renders with asks
         tool_format = choose_tool_call_format(formats, tool_call_format, chat_template_for(tokenizer, tools=True))
+        # the thinking is read as the template every request may render with writes it
+        thinking = choose_reasoning_format(registered_reasoning_formats(pm), reasoning_format,
+                                           chat_template_for(tokenizer, tools=False))
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     # the grammar engine's copy of the vocabulary, built once so the first
@@ -251,6 +267,7 @@ def open_model(
         aliases=aliases,
         tool_call_format=tool_format,
         max_tool_calls=max_tool_calls,
+        reasoning_format=thinking,
     )
 
 
@@ -265,6 +282,7 @@ def load_model(
     engine_options: EngineOptions = EngineOptions(),
     tool_call_format: str | None = None,
     max_tool_calls: int = setting_default("max_tool_calls"),
+    reasoning_format: str | None = None,
 ) -> Model:
     """Load `model` (a registered name or alias, or a path to a GGUF file).
 
@@ -279,7 +297,8 @@ def load_model(
         )
     source = open_model(
         pm, model, served_name=served_name, chat_template=chat_template,
-        tool_call_format=tool_call_format, max_tool_calls=max_tool_calls, progress=executor_options.progress,
+        tool_call_format=tool_call_format, max_tool_calls=max_tool_calls, reasoning_format=reasoning_format,
+        progress=executor_options.progress,
     )
     backend = factories[executor](source.model_file(), executor_options)
     source.metadata = None
@@ -309,6 +328,7 @@ def load_model_from_settings(pm: pluggy.PluginManager, settings, progress=None) 
         engine_options=settings.engine_options(),
         tool_call_format=settings.tool_call_format,
         max_tool_calls=settings.max_tool_calls,
+        reasoning_format=settings.reasoning_format,
     )
 
 

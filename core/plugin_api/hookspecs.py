@@ -19,6 +19,7 @@ engine and the models import `hookimpl` from here):
 * `ModelFile`, `ExecutorOptions`, `Executor` (`lockgate.models.executor`).
 * `ModelFamily` (`lockgate.models.families`).
 * `ToolCallFormat` (`lockgate.plugin_api.tool_calls`).
+* `ReasoningFormat` (`lockgate.plugin_api.reasoning`).
 * `Settings` (`lockgate.settings`): every setting of `lockgate serve`.
 """
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from lockgate.models import Model, ModelSpec
     from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
     from lockgate.models.families import ModelFamily
+    from lockgate.plugin_api.reasoning import ReasoningFormat
     from lockgate.plugin_api.request import GenerationRequest
     from lockgate.plugin_api.tool_calls import ToolCallFormat
     from lockgate.settings import Settings
@@ -222,6 +224,23 @@ def lockgate_register_tool_call_formats(register: Callable[[type[ToolCallFormat]
         `fits(chat_template)` says whether a model's template writes calls
         its way (the first registered format that fits is chosen; built-ins
         come last, the catch-all `generic` last of all).
+    :returns: nothing; the return value is ignored.
+    :raises: nothing by design; an exception stops start-up.
+
+    Every implementation runs.
+    """
+
+
+@hookspec
+def lockgate_register_reasoning_formats(register: Callable[[type[ReasoningFormat]], None]) -> None:
+    """Offer reasoning formats: how a model family writes its thinking apart
+    from its answer (`<think>...</think>` before it, for DeepSeek-R1 and Qwen3).
+
+    :param register: call `register(FormatClass)` with a `ReasoningFormat`
+        subclass; its `name` is what `--reasoning-format` takes, and its
+        `fits(chat_template)` says whether a model's template writes its
+        thinking that way (the first registered format that fits is chosen;
+        built-ins come last).
     :returns: nothing; the return value is ignored.
     :raises: nothing by design; an exception stops start-up.
 

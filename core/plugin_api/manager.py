@@ -29,6 +29,7 @@ DEFAULT_PLUGINS = (
     "lockgate.plugins.models",
     "lockgate.plugins.engines",
     "lockgate.plugins.tool_formats",
+    "lockgate.plugins.reasoning_formats",
     "lockgate.plugins.tvm",
     "lockgate.plugins.ray",
 )

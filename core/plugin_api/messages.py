@@ -7,9 +7,11 @@ whose `messages` were built from `system` and Anthropic's content blocks
 turns as tool messages), whose `tools` came from `input_schema` tools and
 whose `stop` from `stop_sequences`. A plugin sees it exactly as a chat
 request (`request.endpoint` says "messages"). What this server cannot serve
-(images, documents, server tools, extended thinking, `cache_control` other
-than the prefix cache's ephemeral one) is refused with a 400 naming the
-field, never dropped. Every parse error names the Messages field
+(images, documents, server tools, `cache_control` other than the prefix
+cache's ephemeral one, thinking on a model that writes none) is refused with
+a 400 naming the field, never dropped. An assistant turn's `thinking` blocks
+are its thinking (`Message.reasoning`), as templates of models that think
+read it. Every parse error names the Messages field
 (`messages[1].content[0].tool_use_id`, `tools[0].input_schema`).
 """
 
@@ -107,6 +109,7 @@ def read_anthropic_messages(value: Any, where: str) -> tuple[Message, ...]:
                                       f"{json_type(content)}", param=f"{at}.content")
         texts: list[str] = []
         calls: list[ToolCall] = []
+        thoughts: list[str] = []
         for j, block in enumerate(content):
             block_at = f"{at}.content[{j}]"
             block = _block(block, block_at)
@@ -115,16 +118,21 @@ def read_anthropic_messages(value: Any, where: str) -> tuple[Message, ...]:
                 texts.append(string(block.get("text"), f"{block_at}.text"))
             elif kind == "tool_use" and role == "assistant":
                 calls.append(_tool_use(block, block_at))
+            elif kind == "thinking" and role == "assistant":
+                # its signature is Anthropic's, for Anthropic's models: there is nothing to check it against
+                thoughts.append(string(block.get("thinking"), f"{block_at}.thinking"))
             elif kind == "tool_result" and role == "user":
                 tool_use_id = string(block.get("tool_use_id"), f"{block_at}.tool_use_id")
                 result = block.get("content", "")
                 text = result if isinstance(result, str) else "".join(_text_blocks(result, f"{block_at}.content"))
                 messages.append(Message("tool", text, tool_call_id=tool_use_id))
             else:
-                served = "text and tool_use blocks" if role == "assistant" else "text and tool_result blocks"
+                served = ("text, thinking and tool_use blocks" if role == "assistant"
+                          else "text and tool_result blocks")
                 _refuse_block(block, block_at, served)
         if texts or calls or role == "assistant":
-            messages.append(Message(role, "".join(texts), tool_calls=tuple(calls)))
+            messages.append(Message(role, "".join(texts), tool_calls=tuple(calls),
+                                    reasoning="".join(thoughts) if thoughts else None))
     return tuple(messages)
 
 
@@ -198,6 +206,26 @@ def read_output_config(value: Any, where: str) -> OutputFormat | None:
         raise
 
 
+#: Anthropic's least thinking budget
+MIN_THINKING_BUDGET = 1024
+
+
+def read_thinking(value: Any, where: str) -> bool | None:
+    """`thinking`: `{"type": "enabled", "budget_tokens"}` or `{"type":
+    "disabled"}`, as the template's `enable_thinking` (what Qwen3's reads).
+    The budget is checked as Anthropic checks it (at least 1024 and below
+    `max_tokens`, see `parse_messages_request`); the thinking is bounded by
+    `max_tokens` as a whole, not by the budget."""
+    thinking = _object(value, where)
+    kind = thinking.get("type")
+    if kind == "disabled":
+        return False
+    if kind != "enabled":
+        raise InvalidRequestError(f"{where}.type must be enabled or disabled, got {kind!r}", param=f"{where}.type")
+    integer(MIN_THINKING_BUDGET)(thinking.get("budget_tokens"), f"{where}.budget_tokens")
+    return True
+
+
 def read_stop_sequences(value: Any, where: str) -> tuple[str, ...]:
     if isinstance(value, list) and len(value) <= MAX_STOP_SEQUENCES and all(isinstance(s, str) and s for s in value):
         return tuple(value)
@@ -241,6 +269,8 @@ class MessagesRequest(ChatRequest):
     chat_template_kwargs: Mapping[str, Any] = param({})
     # the Messages API's own
     system: str | None = param(None, read_system)
+    #: `thinking` switched on (True) or off (False); None: the template's default
+    thinking: bool | None = param(None, read_thinking)
 
     @property
     def is_chat(self) -> bool:
@@ -260,9 +290,11 @@ class MessagesRequest(ChatRequest):
         return super().param_for(subject)
 
 
-def parse_messages_request(body: Mapping[str, Any], *, request_id: str, count_only: bool = False) -> MessagesRequest:
+def parse_messages_request(body: Mapping[str, Any], *, request_id: str, count_only: bool = False,
+                           thinks: bool = False) -> MessagesRequest:
     """Read a Messages body (`count_only`: a count_tokens body, which has
-    no `max_tokens`).
+    no `max_tokens`) for a model that thinks (`thinks`: it has a reasoning
+    format) or not.
 
     :raises InvalidRequestError: (400) naming the Messages field at fault.
     """
@@ -271,15 +303,21 @@ def parse_messages_request(body: Mapping[str, Any], *, request_id: str, count_on
             raise UnsupportedParameter(f"{name} is not supported by this server", param=name)
     if body.get("cache_control") is not None:
         _block({"cache_control": body["cache_control"]}, "")  # automatic caching: the prefix cache's
-    thinking = body.get("thinking")
-    if thinking is not None and _object(thinking, "thinking").get("type") != "disabled":
-        raise UnsupportedParameter(
-            "thinking is not supported for this model: it writes no reasoning apart from its answer",
-            param="thinking",
-        )
     if not count_only and body.get("max_tokens") is None:
         raise InvalidRequestError("max_tokens is required", param="max_tokens")
     values = read_fields(MessagesRequest, body)
+    if values.get("thinking"):
+        if not thinks:
+            raise UnsupportedParameter(
+                "thinking is not supported for this model: it writes no reasoning apart from its answer",
+                param="thinking",
+            )
+        budget = body["thinking"]["budget_tokens"]
+        if not count_only and budget >= values["max_tokens"]:
+            raise InvalidRequestError(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                                      f"({values['max_tokens']})", param="thinking.budget_tokens")
+    if values.get("thinking") is not None:
+        values["chat_template_kwargs"] = {"enable_thinking": values["thinking"]}
     system = values.get("system")
     if system:
         values["messages"] = (Message("system", system), *values["messages"])

@@ -21,7 +21,8 @@ import structlog
 from lockgate.engine import Handle, Work
 from lockgate.errors import ContextLengthExceeded, InternalError, LockgateError
 from lockgate.models import Model
-from lockgate.plugin_api.grammars import grammar_for
+from lockgate.plugin_api.grammars import grammar_for, with_reasoning
+from lockgate.plugin_api.output import OutputParser
 from lockgate.plugin_api.request import ChatRequest, CompletionRequest, GenerationRequest
 
 log = structlog.get_logger("lockgate.pipeline")
@@ -85,7 +86,8 @@ def prepare_request(
         handles: list[Handle] = []
         try:
             for one in prompts:
-                work = Work(request_id=one.id, prompt_token_ids=prompt_token_ids(pm, one, model), params=params)
+                ids = prompt_token_ids(pm, one, model)
+                work = Work(request_id=one.id, prompt_token_ids=ids, params=_with_thinking(params, one, model, ids))
                 handle = pm.hook.lockgate_enqueue(work=work, engine=model.engine)
                 if handle is None:
                     raise InternalError("no plugin enqueued the request")
@@ -95,6 +97,49 @@ def prepare_request(
                 handle.abort()
             raise
         return handles
+
+
+def _with_thinking(params, request: GenerationRequest, model: Model, prompt_ids: list[int]):
+    """A chat request's sampling where the model thinks first: its tags kept
+    in the text where they are special tokens, and a grammar (tools',
+    `response_format`'s) constraining what follows the thinking, which it
+    lets run to its closing tag."""
+    fmt = model.reasoning_format
+    if fmt is None or not isinstance(request, ChatRequest):
+        return params
+    if fmt.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    if params.grammar is None:
+        return params
+    grammar = with_reasoning(params.grammar, fmt, opened=reasoning_opened(model, prompt_ids),
+                             tokenizer=model.tokenizer, eos_token_ids=model.eos_token_ids)
+    return dataclasses.replace(params, grammar=grammar)
+
+
+#: prompt tokens decoded to tell whether the prompt opened the thinking
+_PROMPT_TAIL_TOKENS = 8
+
+
+def reasoning_opened(model: Model, prompt_ids: list[int]) -> bool:
+    """Whether the model's output after this prompt starts inside its
+    thinking (the template opened it)."""
+    fmt = model.reasoning_format
+    if fmt is None:
+        return False
+    tail = model.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return fmt.opened_by(tail)
+
+
+def output_parser(request: ChatRequest, model: Model, handle: Handle) -> OutputParser:
+    """How a chat request's output is read (the same for each of its
+    choices): its thinking by the model's reasoning format, its calls by
+    the tool-call format (`tool_output_format`)."""
+    opened = reasoning_opened(model, handle.work.prompt_token_ids)
+
+    def count_tokens(text: str) -> int:
+        return len(model.tokenizer.encode(text, add_special_tokens=False))
+
+    return OutputParser(model.reasoning_format, opened, tool_output_format(request, model), count_tokens)
 
 
 def tool_output_format(request: ChatRequest, model: Model):

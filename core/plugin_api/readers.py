@@ -211,11 +211,16 @@ class Message:
     tool_call_id: str | None = None
     #: an `assistant` message: the calls it made
     tool_calls: tuple[ToolCall, ...] = ()
+    #: an `assistant` message: the thinking before it (templates of models
+    #: that think read it as `reasoning_content`)
+    reasoning: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as chat templates read it (tool calls as Hugging Face
         templates expect them: arguments decoded)."""
         message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
@@ -268,7 +273,11 @@ def _message(value: Any, where: str) -> Message:
     content = value.get("content")
     if content is None and (calls or role == "assistant"):
         content = ""
-    return Message(role, _content(content, f"{where}.content"), name, tool_call_id, calls)
+    reasoning = None
+    for key in ("reasoning_content", "reasoning"):  # vLLM's name, and the newer one
+        if value.get(key) is not None and role == "assistant":
+            reasoning = string(value[key], f"{where}.{key}")
+    return Message(role, _content(content, f"{where}.content"), name, tool_call_id, calls, reasoning)
 
 
 def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:

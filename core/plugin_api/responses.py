@@ -57,7 +57,13 @@ def read_input(value: Any, where: str) -> tuple[Message, ...]:
         item = _object(item, at)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            messages.append(_message(item, at))
+            message = _message(item, at)
+            if message.role == "assistant" and _thinking_only(messages):
+                # the answer that followed a reasoning item: one assistant turn
+                message = dataclasses.replace(message, reasoning=messages.pop().reasoning)
+            messages.append(message)
+        elif kind == "reasoning":
+            messages.append(Message("assistant", "", reasoning=_reasoning_text(item, at)))
         elif kind == "function_call":
             call = _function_call(item, at)
             if messages and messages[-1].role == "assistant" and (messages[-1].tool_calls or not messages[-1].content):
@@ -72,11 +78,32 @@ def read_input(value: Any, where: str) -> tuple[Message, ...]:
             messages.append(Message("tool", text, tool_call_id=call_id))
         else:
             raise UnsupportedParameter(
-                f"{at}.type {json.dumps(kind)[:40]} is not supported: this server reads messages, "
+                f"{at}.type {json.dumps(kind)[:40]} is not supported: this server reads message, reasoning, "
                 "function_call and function_call_output items",
                 param=f"{at}.type",
             )
     return tuple(messages)
+
+
+def _thinking_only(messages: list[Message]) -> bool:
+    """Whether the last message is a reasoning item's thinking, with no answer yet."""
+    last = messages[-1] if messages else None
+    return last is not None and last.role == "assistant" and last.reasoning is not None and not (
+        last.content or last.tool_calls)
+
+
+def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
+    """A reasoning item's thinking (as this server writes it, `content`'s
+    `reasoning_text` parts), else its summary's text. Encrypted content
+    is another server's, which only it can read."""
+    if item.get("encrypted_content") is not None and not item.get("content"):
+        raise UnsupportedParameter(
+            f"{where}.encrypted_content cannot be read by this server: send the reasoning item's content",
+            param=f"{where}.encrypted_content",
+        )
+    if item.get("content"):
+        return _content(item["content"], f"{where}.content", part_types=("reasoning_text",))
+    return _content(item.get("summary") or [], f"{where}.summary", part_types=("summary_text",))
 
 
 def _message(item: Mapping[str, Any], where: str) -> Message:

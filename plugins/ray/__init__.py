@@ -53,7 +53,8 @@ def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None) -> Model:
     chat_template = None if settings.chat_template is None else settings.chat_template.read_text()
     source = open_model(
         pm, settings.model, served_name=settings.served_model_name, chat_template=chat_template,
-        tool_call_format=settings.tool_call_format, max_tool_calls=settings.max_tool_calls, progress=progress,
+        tool_call_format=settings.tool_call_format, max_tool_calls=settings.max_tool_calls,
+        reasoning_format=settings.reasoning_format, progress=progress,
     )
     source.metadata = None
     app_name = application_name(source.name)

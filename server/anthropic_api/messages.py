@@ -1,8 +1,9 @@
 """`POST /v1/messages` in Anthropic's shape (whole, or streamed as its
 event sequence) and `POST /v1/messages/count_tokens`, on the same serving
 skeleton, pipeline, hooks and engine as chat. The body is typed by
-`lockgate.plugin_api.messages`; tool calls are read out of the model's text
-by its tool-call format and answered as `tool_use` blocks. Errors come in
+`lockgate.plugin_api.messages`; the model's thinking and tool calls are read
+out of its text (`lockgate.plugin_api.output`) and answered as `thinking` and
+`tool_use` blocks. Errors come in
 Anthropic's envelope from the error middleware (`protocol.error_body_for`),
 and as an `error` event once a stream has begun."""
 
@@ -19,7 +20,8 @@ from lockgate.engine import Handle, Usage
 from lockgate.errors import ErrorResponse
 from lockgate.models import Model
 from lockgate.plugin_api.messages import MessagesRequest, parse_messages_request
-from lockgate.plugin_api.pipeline import errors_named_for, prompt_token_ids, tool_output_format
+from lockgate.plugin_api.output import OutputParser
+from lockgate.plugin_api.pipeline import errors_named_for, output_parser, prompt_token_ids
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.server.keys import MODELS, PLUGIN_MANAGER, REQUEST_ID
 from lockgate.server.protocol import anthropic_error_body, read_json_body
@@ -59,6 +61,13 @@ class MessageBuilder:
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
     @staticmethod
+    def thinking(text: str) -> dict[str, Any]:
+        """The thinking as a `thinking` block. Its `signature` is empty:
+        there is no Anthropic key behind it, and a client sending the
+        block back gets it read as the turn's thinking, unchecked."""
+        return {"type": "thinking", "thinking": text, "signature": ""}
+
+    @staticmethod
     def tool_use(call: ToolCall) -> dict[str, Any]:
         """A call as a `tool_use` block. `input` is an object: arguments a
         format wrote as anything else (a grammar-free call can) are kept
@@ -72,35 +81,34 @@ class MessageBuilder:
 
 
 def _parse(request: web.Request, body: dict[str, Any], model: Model) -> MessagesRequest:
-    return parse_messages_request(body, request_id=request[REQUEST_ID])
+    return parse_messages_request(body, request_id=request[REQUEST_ID], thinks=model.reasoning_format is not None)
 
 
 async def _answer(request: web.Request, typed: MessagesRequest, model: Model, handles: list[Handle]):
-    tool_format = tool_output_format(typed, model)
+    parser = output_parser(typed, model, handles[0])
     builder = MessageBuilder(typed, model.name)
     if typed.stream:
-        return await _stream(request, handles, builder, tool_format)
+        return await _stream(request, handles, builder, parser)
     text, finish_reason, stop_string = "", None, None
     async for _, delta in MergedDeltas(request, handles):
         text += delta.text
         if delta.finish_reason is not None:
             finish_reason, stop_string = delta.finish_reason, delta.stop_string
-    calls: list[ToolCall] = []
-    if tool_format is not None:
-        parsed = tool_format.parse(text)
-        text, calls = parsed.content or "", parsed.calls
-    content = ([{"type": "text", "text": text}] if text or not calls else [])
-    content += [builder.tool_use(call) for call in calls]
+    read = parser.parse(text)
+    content = [] if read.reasoning is None else [builder.thinking(read.reasoning)]
+    if read.content or not (read.calls or read.reasoning):
+        content.append({"type": "text", "text": read.content})
+    content += [builder.tool_use(call) for call in read.calls]
     usage = builder.usage(total_usage(handles))
-    return web.json_response(builder.message(content, usage, _stop_reason(finish_reason, stop_string, calls),
+    return web.json_response(builder.message(content, usage, _stop_reason(finish_reason, stop_string, read.calls),
                                              stop_string))
 
 
-async def _stream(request: web.Request, handles: list[Handle], builder: MessageBuilder, tool_format):
+async def _stream(request: web.Request, handles: list[Handle], builder: MessageBuilder, parser: OutputParser):
     """Anthropic's event sequence: `message_start`, `ping`, each content
-    block's `content_block_start`, deltas (`text_delta`, a tool's
-    `input_json_delta`) and `content_block_stop`, then `message_delta`
-    (stop reason, output tokens) and `message_stop`."""
+    block's `content_block_start`, deltas (`thinking_delta`, `text_delta`, a
+    tool's `input_json_delta`) and `content_block_stop`, then
+    `message_delta` (stop reason, output tokens) and `message_stop`."""
 
     async def emit(response: web.StreamResponse, kind: str, **fields) -> None:
         await write_event(request, response, json.dumps({"type": kind, **fields}, ensure_ascii=False), event=kind)
@@ -109,28 +117,39 @@ async def _stream(request: web.Request, handles: list[Handle], builder: MessageB
         usage = total_usage(handles)
         await emit(response, "message_start", message=builder.message([], builder.usage(usage, output_tokens=0)))
         await emit(response, "ping")
-        reader = None if tool_format is None else tool_format.stream()
-        index, text_open = 0, False
+        reader = parser.stream()
+        index = 0
+        #: the block being streamed: "thinking" or "text", or None
+        open_block: str | None = None
         finish_reason, stop_string, calls = None, None, []
 
-        async def text_out(piece: str) -> None:
-            nonlocal text_open
+        async def block_out(kind: str, piece: str) -> None:
+            nonlocal index, open_block
             if not piece:
                 return
-            if not text_open:
-                text_open = True
-                await emit(response, "content_block_start", index=index, content_block={"type": "text", "text": ""})
-            await emit(response, "content_block_delta", index=index, delta={"type": "text_delta", "text": piece})
+            if open_block != kind:
+                if open_block is not None:
+                    await emit(response, "content_block_stop", index=index)
+                    index += 1
+                open_block = kind
+                start = builder.thinking("") if kind == "thinking" else {"type": "text", "text": ""}
+                await emit(response, "content_block_start", index=index, content_block=start)
+            delta = ({"type": "thinking_delta", "thinking": piece} if kind == "thinking"
+                     else {"type": "text_delta", "text": piece})
+            await emit(response, "content_block_delta", index=index, delta=delta)
+
+        async def out(split) -> None:
+            await block_out("thinking", split.reasoning)
+            await block_out("text", split.content)
 
         async for _, delta in deltas:
-            await text_out(delta.text if reader is None else reader.feed(delta.text))
+            await out(reader.feed(delta.text))
             if delta.finish_reason is not None:
                 finish_reason, stop_string = delta.finish_reason, delta.stop_string
-                if reader is not None:
-                    parsed = reader.finish()
-                    await text_out(parsed.content or "")
-                    calls = parsed.calls
-        if text_open:
+                rest, read = reader.finish()
+                await out(rest)
+                calls = read.calls
+        if open_block is not None:
             await emit(response, "content_block_stop", index=index)
             index += 1
         for call in calls:
@@ -162,7 +181,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     parse, validation, template and tokenizer, nothing generated."""
     body = await read_json_body(request)
     model = request.config_dict[MODELS].resolve(body.get("model"))
-    typed = parse_messages_request(body, request_id=request[REQUEST_ID], count_only=True)
+    typed = parse_messages_request(body, request_id=request[REQUEST_ID], count_only=True,
+                                   thinks=model.reasoning_format is not None)
     pm = request.config_dict[PLUGIN_MANAGER]
 
     def count() -> int:

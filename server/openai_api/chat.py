@@ -1,10 +1,10 @@
 """`POST /v1/chat/completions`: a `chat.completion` whole, or streamed as
-`chat.completion.chunk`s; the model's tool calls read out of its text by
-the tool-call format, whole or as they complete."""
+`chat.completion.chunk`s; the model's thinking (`reasoning_content`) and
+tool calls read out of its text (`lockgate.plugin_api.output`), whole or as
+they come."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from aiohttp import web
@@ -12,9 +12,10 @@ from aiohttp import web
 from lockgate.engine import Delta, Handle
 from lockgate.engine.sampling import TokenLogprob
 from lockgate.models import Model
-from lockgate.plugin_api.pipeline import tool_output_format
-from lockgate.plugin_api.request import CHAT_ENDPOINT, ChatRequest, parse_request
+from lockgate.plugin_api.output import Output, OutputReader
+from lockgate.plugin_api.pipeline import output_parser
 from lockgate.plugin_api.tool_calls import ToolCall
+from lockgate.plugin_api.request import CHAT_ENDPOINT, ChatRequest, parse_request
 from lockgate.server.keys import REQUEST_ID
 from lockgate.server.openai_api.choices import (
     ChoicesBuilder,
@@ -51,13 +52,17 @@ class ChatCompletionBuilder(ChoicesBuilder):
             "refusal": None,
         }
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs, calls: list[ToolCall]):
-        """A whole choice; one with `calls` has them in its message (its
-        `content` null when it wrote no text beside them)."""
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if calls:
-            message["content"] = text or None
-            message["tool_calls"] = [call.as_openai() for call in calls]
+    def choice(self, index: int, output: Output, finish_reason: str | None, logprobs, *, thinks: bool):
+        """A whole choice; one with calls has them in its message (its
+        `content` null when it wrote no text beside them); a model that
+        thinks (`thinks`) has its thinking as `reasoning_content`."""
+        message: dict[str, Any] = {"role": "assistant", "content": output.content}
+        if thinks:
+            message["reasoning_content"] = output.reasoning
+        if output.calls:
+            message["content"] = output.content or None
+            message["tool_calls"] = [call.as_openai() for call in output.calls]
+            finish_reason = "tool_calls"
         return {"index": index, "message": message, "logprobs": self.logprobs(index, logprobs),
                 "finish_reason": finish_reason}
 
@@ -102,30 +107,30 @@ def _parse(request: web.Request, body: dict[str, Any], model: Model) -> ChatRequ
 
 async def _answer(request: web.Request, typed: ChatRequest, model: Model, handles: list[Handle]):
     builder = ChatCompletionBuilder(request_id=typed.id, model=model.name, token_bytes=model.token_bytes)
-    # the model's tool calls are read out of its text here, by the tools offered
-    tool_format = tool_output_format(typed, model)
+    # the thinking and the tool calls are read out of the text here
+    parser = output_parser(typed, model, handles[0])
+    thinks = parser.reasoning is not None
+    if thinks:
+        builder.reasoning_tokens = 0
     if typed.stream:
         include_usage = typed.include_usage
-        readers: dict[int, Any] = {}
+        readers: dict[int, OutputReader] = {}
 
-        def tool_chunks(index: int, delta: Delta) -> list[bytes]:
-            reader = readers.setdefault(index, tool_format.stream())
-            return [sse_frame(c) for c in _tool_stream_chunks(builder, reader, index, delta, include_usage)]
+        def read_chunks(index: int, delta: Delta) -> list[bytes]:
+            reader = readers.setdefault(index, parser.stream())
+            return [sse_frame(c) for c in _read_chunks(builder, reader, index, delta, include_usage)]
 
-        chunks = plain_chunks(builder, include_usage) if tool_format is None else tool_chunks
+        chunks = plain_chunks(builder, include_usage) if parser.plain else read_chunks
         first = [builder.role_chunk(index, include_usage) for index in range(sum(h.n for h in handles))]
         return await stream(request, handles, builder, include_usage=include_usage, chunks=chunks, first=first)
     collected = await collect(request, handles, with_logprobs=typed.requested_logprobs() is not None)
     choices = []
     for index, text in collected.texts.items():
-        calls: list[ToolCall] = []
-        finish_reason = collected.finish_reasons.get(index)
-        if tool_format is not None:
-            parsed = tool_format.parse(text)
-            text, calls = parsed.content or "", parsed.calls
-            if calls:
-                finish_reason = "tool_calls"
-        choices.append(builder.choice(index, text, finish_reason, collected.logprobs[index], calls))
+        output = parser.parse(text)
+        if thinks:
+            builder.reasoning_tokens += output.reasoning_tokens
+        choices.append(builder.choice(index, output, collected.finish_reasons.get(index), collected.logprobs[index],
+                                      thinks=thinks))
     body = builder.whole(choices, total_usage(handles))
     if typed.prompt_logprobs is not None:
         # the choices share one prompt: its logprobs once, as vLLM has them
@@ -134,24 +139,36 @@ async def _answer(request: web.Request, typed: ChatRequest, model: Model, handle
     return web.json_response(body)
 
 
-def _tool_stream_chunks(builder: ChatCompletionBuilder, reader, index: int, delta: Delta, include_usage: bool):
-    """The chunks of one delta of a choice that may call tools: text that
-    cannot be part of a call goes out at once; a call goes out whole, once
-    the choice has ended and its text is parsed."""
-    text = reader.feed(delta.text)
+def _read_chunks(builder: ChatCompletionBuilder, reader: OutputReader, index: int, delta: Delta,
+                 include_usage: bool) -> list[dict[str, Any]]:
+    """The chunks of one delta of a choice whose text is read: its thinking
+    as `reasoning_content` and its answer as `content`, each as soon as it is
+    known to be that; a call goes out whole, once the choice has ended and
+    its text is parsed."""
+    split = reader.feed(delta.text)
     if delta.finish_reason is None:
-        if text or delta.logprobs:
-            return [builder.delta_chunk(index, dataclasses.replace(delta, text=text), include_usage)]
+        if split.reasoning or split.content or delta.logprobs:
+            return [builder.chunk([_split_choice(builder, index, split, delta.logprobs)], include_usage)]
         return []
-    parsed = reader.finish()
-    text += parsed.content or ""
+    rest, output = reader.finish()
+    split += rest
+    if builder.reasoning_tokens is not None:
+        builder.reasoning_tokens += output.reasoning_tokens
     chunks = []
-    if text or delta.logprobs:
-        chunks.append(builder.delta_chunk(index, dataclasses.replace(delta, text=text, finish_reason=None),
-                                          include_usage))
-    chunks += builder.tool_call_chunks(index, parsed.calls, include_usage)
-    chunks.append(builder.finish_chunk(index, "tool_calls" if parsed.calls else delta.finish_reason, include_usage))
+    if split.reasoning or split.content or delta.logprobs:
+        chunks.append(builder.chunk([_split_choice(builder, index, split, delta.logprobs)], include_usage))
+    chunks += builder.tool_call_chunks(index, output.calls, include_usage)
+    chunks.append(builder.finish_chunk(index, "tool_calls" if output.calls else delta.finish_reason, include_usage))
     return chunks
+
+
+def _split_choice(builder: ChatCompletionBuilder, index: int, split, logprobs) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if split.reasoning:
+        delta["reasoning_content"] = split.reasoning
+    if split.content or not split.reasoning:
+        delta["content"] = split.content
+    return {"index": index, "delta": delta, "logprobs": builder.logprobs(index, logprobs), "finish_reason": None}
 
 
 @routes.post("/chat/completions")

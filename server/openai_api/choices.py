@@ -23,13 +23,18 @@ from lockgate.server.serving import MergedDeltas, event_stream, sse_frame, total
 json_string = json.encoder.encode_basestring
 
 
-def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
+def usage_body(usage: Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """`usage`; with `reasoning_tokens` (a model that thinks), how many of
+    the completion's tokens were thinking."""
+    body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 class ChoicesBuilder:
@@ -52,6 +57,8 @@ class ChoicesBuilder:
         self.model = model
         self.created = int(time.time())
         self.token_bytes = token_bytes
+        #: the choices' thinking tokens so far, for a model that thinks (else None)
+        self.reasoning_tokens: int | None = None
         #: per include_usage, the JSON of a stream chunk around its choice
         self._templates: dict[bool, tuple[str, str]] = {}
 
@@ -80,7 +87,7 @@ class ChoicesBuilder:
 
     def whole(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
         body = self.envelope(self.OBJECT, choices)
-        body["usage"] = usage_body(usage)
+        body["usage"] = usage_body(usage, self.reasoning_tokens)
         return body
 
     # ------------------------------------------------------------ streamed
@@ -119,7 +126,7 @@ class ChoicesBuilder:
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The last chunk when `stream_options.include_usage`: no choices, the usage."""
         body = self.chunk([], include_usage=False)
-        body["usage"] = usage_body(usage)
+        body["usage"] = usage_body(usage, self.reasoning_tokens)
         return body
 
 

@@ -23,7 +23,8 @@ from aiohttp import web
 from lockgate.engine import Handle
 from lockgate.errors import ErrorResponse, LockgateError
 from lockgate.models import Model
-from lockgate.plugin_api.pipeline import tool_output_format
+from lockgate.plugin_api.output import Output
+from lockgate.plugin_api.pipeline import output_parser
 from lockgate.plugin_api.readers import Message, string
 from lockgate.plugin_api.responses import ResponsesRequest, parse_responses_request
 from lockgate.plugin_api.tool_calls import ToolCall
@@ -105,7 +106,7 @@ class ResponseObjectBuilder:
         self.model = model_name
         self.created_at = int(time.time())
 
-    def envelope(self, status: str, output: list[dict[str, Any]], usage=None, *,
+    def envelope(self, status: str, output: list[dict[str, Any]], usage=None, *, reasoning_tokens: int = 0,
                  incomplete: str | None = None, error: dict | None = None) -> dict[str, Any]:
         body = self.typed.body
         text_format = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else None
@@ -133,7 +134,7 @@ class ResponseObjectBuilder:
                 "input_tokens": usage.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": usage.cached_tokens},
                 "output_tokens": usage.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": usage.total_tokens,
             },
             "metadata": dict(self.typed.metadata),
@@ -146,20 +147,28 @@ class ResponseObjectBuilder:
         return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
+    def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+        """The thinking before the answer, as a `reasoning` item: its text
+        in `content` (as open-weight models' items carry it), no summary."""
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+    @staticmethod
     def call_item(item_id: str, call: ToolCall, arguments: str | None = None, status: str = "completed"):
         return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
                 "arguments": call.arguments if arguments is None else arguments, "status": status}
 
 
-def _finished(typed: ResponsesRequest, builder: ResponseObjectBuilder, output: list[dict[str, Any]], text: str,
-              calls: list[ToolCall], finish_reason: str | None, handles, store: ResponseStore, owner: str | None):
+def _finished(typed: ResponsesRequest, builder: ResponseObjectBuilder, output: list[dict[str, Any]], read: Output,
+              finish_reason: str | None, handles, store: ResponseStore, owner: str | None):
     """The final response object (cut short by `max_output_tokens` unless it
     made calls), kept in the store with its conversation when `store`."""
-    cut_short = finish_reason == "length" and not calls
+    cut_short = finish_reason == "length" and not read.calls
     final = builder.envelope("incomplete" if cut_short else "completed", output, total_usage(handles),
+                             reasoning_tokens=read.reasoning_tokens,
                              incomplete="max_output_tokens" if cut_short else None)
     if typed.store:
-        answer = Message("assistant", text, tool_calls=tuple(calls))
+        answer = Message("assistant", read.content, tool_calls=tuple(read.calls), reasoning=read.reasoning)
         store.put(builder.id, StoredResponse(final, (*typed.history, *typed.input_messages, answer), owner))
     return final
 
@@ -177,21 +186,20 @@ def _parse(request: web.Request, body: dict[str, Any], model: Model) -> Response
 
 async def _answer(request: web.Request, typed: ResponsesRequest, model: Model, handles: list[Handle]):
     store, owner = request.config_dict[RESPONSE_STORE], owner_of(request)
-    tool_format = tool_output_format(typed, model)
+    parser = output_parser(typed, model, handles[0])
     builder = ResponseObjectBuilder(typed, model.name)
     if typed.stream:
-        return await _stream(request, typed, handles, builder, tool_format, store, owner)
+        return await _stream(request, typed, handles, builder, parser, store, owner)
     text, finish_reason = "", None
     async for _, delta in MergedDeltas(request, handles):
         text += delta.text
         finish_reason = delta.finish_reason or finish_reason
-    calls: list[ToolCall] = []
-    if tool_format is not None:
-        parsed = tool_format.parse(text)
-        text, calls = parsed.content or "", parsed.calls
-    output = ([builder.message_item("msg_" + secrets.token_hex(12), text)] if text or not calls else [])
-    output += [builder.call_item("fc_" + secrets.token_hex(12), call) for call in calls]
-    return web.json_response(_finished(typed, builder, output, text, calls, finish_reason, handles, store, owner))
+    read = parser.parse(text)
+    output = [] if read.reasoning is None else [builder.reasoning_item("rs_" + secrets.token_hex(12), read.reasoning)]
+    if read.content or not read.calls:
+        output.append(builder.message_item("msg_" + secrets.token_hex(12), read.content))
+    output += [builder.call_item("fc_" + secrets.token_hex(12), call) for call in read.calls]
+    return web.json_response(_finished(typed, builder, output, read, finish_reason, handles, store, owner))
 
 
 @routes.post("/responses")
@@ -199,53 +207,87 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return await generate(request, _parse, _answer)
 
 
-async def _stream(request, typed, handles, builder: ResponseObjectBuilder, tool_format, store, owner):
+class _TextItem:
+    """An output item whose one text part streams: a `reasoning` item's
+    `reasoning_text`, or a `message`'s `output_text`."""
+
+    def __init__(self, kind: str, emit, builder: ResponseObjectBuilder) -> None:
+        self.kind, self.emit, self.builder = kind, emit, builder
+        self.id = ("rs_" if kind == "reasoning" else "msg_") + secrets.token_hex(12)
+        self.part_type = "reasoning_text" if kind == "reasoning" else "output_text"
+        self.event = "response.reasoning_text" if kind == "reasoning" else "response.output_text"
+        self.text = ""
+        self.index: int | None = None
+
+    def item(self, status: str = "completed") -> dict[str, Any]:
+        if self.kind == "reasoning":
+            return self.builder.reasoning_item(self.id, self.text, status)
+        return self.builder.message_item(self.id, self.text, status)
+
+    def part(self) -> dict[str, Any]:
+        part = {"type": self.part_type, "text": self.text}
+        return part if self.kind == "reasoning" else {**part, "annotations": []}
+
+    async def open(self, index: int) -> None:
+        self.index = index
+        await self.emit("response.output_item.added", output_index=index, item=self.item("in_progress"))
+        await self.emit("response.content_part.added", item_id=self.id, output_index=index, content_index=0,
+                        part={**self.part(), "text": ""})
+
+    async def add(self, piece: str, index: int) -> None:
+        if not piece:
+            return
+        if self.index is None:
+            await self.open(index)
+        self.text += piece
+        extra = {} if self.kind == "reasoning" else {"logprobs": []}
+        await self.emit(self.event + ".delta", item_id=self.id, output_index=self.index, content_index=0,
+                        delta=piece, **extra)
+
+    async def close(self) -> dict[str, Any]:
+        extra = {} if self.kind == "reasoning" else {"logprobs": []}
+        await self.emit(self.event + ".done", item_id=self.id, output_index=self.index, content_index=0,
+                        text=self.text, **extra)
+        await self.emit("response.content_part.done", item_id=self.id, output_index=self.index, content_index=0,
+                        part=self.part())
+        item = self.item()
+        await self.emit("response.output_item.done", output_index=self.index, item=item)
+        return item
+
+
+async def _stream(request, typed, handles, builder: ResponseObjectBuilder, parser, store, owner):
     sequence = 0
-    message_id, text_sent = "msg_" + secrets.token_hex(12), ""
     output: list[dict[str, Any]] = []
 
     async def write(response: web.StreamResponse, deltas: MergedDeltas) -> None:
         async def emit(kind: str, **fields) -> None:
             await emit_event(response, kind, **fields)
 
-        async def open_message() -> None:
-            await emit("response.output_item.added", output_index=0,
-                       item=builder.message_item(message_id, "", "in_progress"))
-            await emit("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                       part={"type": "output_text", "text": "", "annotations": []})
+        thinking, message = _TextItem("reasoning", emit, builder), _TextItem("message", emit, builder)
 
-        async def text_out(piece: str) -> None:
-            nonlocal text_sent
-            if not piece:
-                return
-            if not text_sent:
-                await open_message()
-            text_sent += piece
-            await emit("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                       delta=piece, logprobs=[])
+        async def out(split) -> None:
+            await thinking.add(split.reasoning, 0)
+            if split.content and thinking.index is not None and message.index is None:
+                output.append(await thinking.close())  # the answer has begun: the thinking is done
+            await message.add(split.content, len(output))
 
         await emit("response.created", response=builder.envelope("in_progress", []))
         await emit("response.in_progress", response=builder.envelope("in_progress", []))
-        reader = None if tool_format is None else tool_format.stream()
-        finish_reason, calls = None, []
+        reader = parser.stream()
+        finish_reason, read = None, None
         async for _, delta in deltas:
-            await text_out(delta.text if reader is None else reader.feed(delta.text))
+            await out(reader.feed(delta.text))
             if delta.finish_reason is not None:
                 finish_reason = delta.finish_reason
-                if reader is not None:
-                    parsed = reader.finish()
-                    await text_out(parsed.content or "")
-                    calls = parsed.calls
-        if text_sent or not calls:
-            if not text_sent:  # an empty answer is still one message
-                await open_message()
-            part = {"type": "output_text", "text": text_sent, "annotations": []}
-            await emit("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
-                       text=text_sent, logprobs=[])
-            await emit("response.content_part.done", item_id=message_id, output_index=0, content_index=0, part=part)
-            output.append(builder.message_item(message_id, text_sent))
-            await emit("response.output_item.done", output_index=0, item=output[-1])
-        for call in calls:
+                rest, read = reader.finish()
+                await out(rest)
+        if thinking.index is not None and message.index is None:
+            output.append(await thinking.close())
+        if message.text or not read.calls:
+            if message.index is None:  # an empty answer is still one message
+                await message.open(len(output))
+            output.append(await message.close())
+        for call in read.calls:
             index, item_id = len(output), "fc_" + secrets.token_hex(12)
             await emit("response.output_item.added", output_index=index,
                        item=builder.call_item(item_id, call, "", "in_progress"))
@@ -255,7 +297,7 @@ async def _stream(request, typed, handles, builder: ResponseObjectBuilder, tool_
                        arguments=call.arguments, name=call.name)
             output.append(builder.call_item(item_id, call))
             await emit("response.output_item.done", output_index=index, item=output[-1])
-        final = _finished(typed, builder, output, text_sent, calls, finish_reason, handles, store, owner)
+        final = _finished(typed, builder, output, read, finish_reason, handles, store, owner)
         await emit("response." + final["status"], response=final)
 
     async def emit_event(stream_response: web.StreamResponse, kind: str, **fields) -> None:
