@@ -96,7 +96,7 @@ MESSAGE = st.fixed_dictionaries(
             TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), min_size=1, max_size=3)
         ),
     },
-    optional={"name": st.from_regex(r"[a-z]{1,8}", fullmatch=True)},
+    optional={"name": st.from_regex(r"[a-z]{1,8}", fullmatch=True), "reasoning_content": TEXT},
 )
 SCHEMAS = st.sampled_from(
     [
@@ -180,17 +180,25 @@ def valid_body(draw, endpoint: str, model: str) -> dict[str, Any]:
     if endpoint == DETOKENIZE:
         return {"model": model, "tokens": draw(TOKEN_IDS)}
     if endpoint == MESSAGES:
-        turn = st.fixed_dictionaries({
-            "role": st.sampled_from(["user", "assistant"]),
-            "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
-                                                min_size=1, max_size=3)),
-        })
+        text_block = st.fixed_dictionaries({"type": st.just("text"), "text": TEXT})
+        thinking_block = st.fixed_dictionaries({"type": st.just("thinking"), "thinking": TEXT, "signature": TEXT})
+        turn = st.one_of(
+            st.fixed_dictionaries({
+                "role": st.sampled_from(["user", "assistant"]),
+                "content": st.one_of(TEXT, st.lists(text_block, min_size=1, max_size=3)),
+            }),
+            st.fixed_dictionaries({
+                "role": st.just("assistant"),
+                "content": st.lists(st.one_of(text_block, thinking_block), min_size=1, max_size=3),
+            }),
+        )
         body = {"model": model, "max_tokens": draw(SAMPLING["max_tokens"]),
                 "messages": [{"role": "user", "content": draw(TEXT)}, *draw(st.lists(turn, max_size=3))]}
         optional = {"system": TEXT, "stop_sequences": st.lists(st.text(min_size=1, max_size=5), max_size=4),
                     "temperature": st.floats(min_value=0, max_value=1), "top_k": st.integers(0, 50),
                     "metadata": st.just({"user_id": "u"}), "stream": st.booleans(),
-                    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}])}
+                    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "none"}]),
+                    "thinking": st.sampled_from([{"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}])}
         for name in draw(st.lists(st.sampled_from(sorted(optional)), max_size=3, unique=True)):
             body[name] = draw(optional[name])
         return body
@@ -292,7 +300,7 @@ def cases(draw, model: str = "tiny") -> Case:
     elif kind == "add":
         name = draw(st.sampled_from(sorted(SAMPLING) + ["tools", "tool_choice", "functions", "echo", "suffix",
                                                         "best_of", "stream_options", "x-unknown", "n",
-                                                        "chat_template_kwargs", "prompt_logprobs"]))
+                                                        "chat_template_kwargs", "prompt_logprobs", "thinking"]))
         body = {**body, name: draw(FIELD_VALUES)}
         mutation = f"add {name}"
     elif kind == "drop" and body:

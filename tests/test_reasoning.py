@@ -451,3 +451,28 @@ async def test_thinking_is_refused_by_a_model_that_writes_none(load_scripted, cl
     with pytest.raises(anthropic.BadRequestError, match="writes no reasoning"):
         await sdk.messages.create(model="tiny", max_tokens=2048, messages=MESSAGES,
                                   thinking={"type": "enabled", "budget_tokens": 1024})
+
+
+async def test_langchain_receives_the_thinking(qwen3, make_client):
+    """LangChain's OpenAI chat model on the Responses API (its way to a
+    model's reasoning) gets the thinking as a reasoning block, and sends
+    it back in the next turn."""
+    from langchain_openai import ChatOpenAI
+
+    set_script(qwen3, SCRIPT)
+    client = await make_client(qwen3)
+    chat = ChatOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", model="tiny", max_retries=0,
+                      use_responses_api=True, max_tokens=100)
+    reply = await chat.ainvoke("hi")
+    blocks = {block["type"]: block for block in reply.content}
+    assert blocks["reasoning"]["content"][0]["text"] == THOUGHT
+    assert reply.text == ANSWER
+    streamed = None
+    async for chunk in chat.astream("hi"):
+        streamed = chunk if streamed is None else streamed + chunk
+    # streamed, LangChain reads a reasoning item's summary events only (OpenAI's
+    # own models); the thinking's text events (`response.reasoning_text.*`)
+    # it passes over
+    assert streamed.text == ANSWER
+    again = await chat.ainvoke([("user", "hi"), reply, ("user", "and?")])
+    assert again.text == ANSWER

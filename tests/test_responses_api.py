@@ -112,8 +112,12 @@ async def test_a_stream_has_the_events_in_order_and_they_add_up(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == final.output_text and text
+    # the same request whole has the same shape; its text is not compared:
+    # its prompt now comes from the prefix cache, whose KV (computed in
+    # another batch shape) may tip a near tie of a greedy step. Stream and
+    # whole agree to the byte on a scripted output (test_reasoning.py).
     whole = await client.responses.create(model="smollm2", input="Say hello.", max_output_tokens=40, temperature=0)
-    assert whole.output_text == text
+    assert [item.type for item in whole.output] == [item.type for item in final.output] and whole.output_text
 
 
 @pytest.mark.default_model
@@ -163,7 +167,10 @@ BAD = [
     ({"input": 5}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
-    ({"input": [{"type": "reasoning"}]}, "input[0].type"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": 5}]}, "input[0].summary"),
+    ({"input": [{"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input[0].encrypted_content"),
     ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),

@@ -96,6 +96,8 @@ BAD = [
     (CHAT, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "nope"}]), "messages[0].tool_call_id",
      "invalid_value"),
     (CHAT, chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id", "invalid_value"),
+    (CHAT, chat(messages=[{"role": "assistant", "content": "x", "reasoning_content": ["a"]}]),
+     "messages[0].reasoning_content", "invalid_value"),
     (CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "messages[0].tool_calls",
      "invalid_value"),
     (CHAT, chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"type": "function",
