@@ -14,6 +14,7 @@ overrides `reader` (and `opened_by`, `grammar_prefix`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -74,21 +75,17 @@ class ReasoningFormat:
 
     def grammar_prefix(self, *, opened: bool) -> str:
         """A Lark expression for the thinking a constrained output may
-        start with (the grammar's own start follows it): the whole of it
-        when the prompt opened it, else optional."""
-        body = f'{_lark(self.start)} think_text' if not opened else "think_text"
-        return body if opened else f"({body})?"
+        start with (the grammar's own start follows it): its text and
+        closing tag when the prompt opened it, else the whole of it,
+        optional."""
+        if opened:
+            return "think_text"
+        return f"({json.dumps(self.start)} think_text)?"
 
     def grammar_rules(self) -> str:
         """The Lark rules `grammar_prefix` uses: the thinking's text runs
         to the first closing tag."""
         return f"think_text[lazy]: /(?s:.*){_regex(self.end)}/\n"
-
-
-def _lark(text: str) -> str:
-    import json
-
-    return json.dumps(text)
 
 
 def _regex(text: str) -> str:
