@@ -18,6 +18,8 @@ import json
 from collections.abc import Sequence
 from typing import ClassVar
 
+from lockgate.plugin_api.tool_calls import partial_suffix
+
 
 @dataclasses.dataclass
 class Split:
@@ -165,7 +167,7 @@ class ReasoningReader:
             self.state = self.ANSWER
             return reasoning
         # hold a tail that may begin the closing tag, and trailing white space
-        keep = _partial_suffix(self.held, self.end)
+        keep = partial_suffix(self.held, self.end)
         body = self.held[: len(self.held) - keep]
         sent = body.rstrip()
         self.held = self.held[len(sent):]
@@ -187,14 +189,6 @@ class ReasoningReader:
         if text.startswith(self.start):
             text = text[len(self.start):].lstrip()
         return text
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 def choose_reasoning_format(

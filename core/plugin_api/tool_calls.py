@@ -223,7 +223,7 @@ class StreamedOutput:
             self.holding = True
             return self._release(min(found))
         # keep back a tail that may be the start of a marker
-        keep = max((_partial_suffix(self.text, m) for m in self.markers), default=0)
+        keep = max((partial_suffix(self.text, m) for m in self.markers), default=0)
         return self._release(len(self.text) - keep)
 
     def finish(self) -> ParsedOutput:
@@ -239,8 +239,9 @@ class StreamedOutput:
         return out
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `marker`."""
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of
+    `marker`: what a stream holds back, as it may begin the marker."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
             return n
