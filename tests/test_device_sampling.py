@@ -32,7 +32,7 @@ tvm = pytest.importorskip("tvm")
 from tvm.target import Target  # noqa: E402
 
 from lockgate.plugins.tvm.sampler import DeviceSampler  # noqa: E402
-from lockgate.plugins.tvm.sampler_kernels import build_sampler  # noqa: E402
+from lockgate.plugins.tvm.sampler_build import build_sampler  # noqa: E402
 
 #: the default model's vocabulary
 VOCAB = 49152

@@ -52,7 +52,7 @@ MODEL_SOURCES = (
     "layers.py", "formats.py", "int8_matmul.py", "decoder.py", "rope.py", "kernels.py", "schedules.py", "pipelines.py", "compile.py",
 )
 #: the sources the sampler's library is compiled from
-SAMPLER_SOURCES = ("sampler_kernels.py", "schedules.py", "pipelines.py")
+SAMPLER_SOURCES = ("sampler_kernels.py", "sampler_build.py", "schedules.py", "pipelines.py")
 
 
 def default_cache_dir() -> pathlib.Path:

@@ -27,7 +27,7 @@ from lockgate.plugins.tvm.compile_cache import SAMPLER_SOURCES, cache_key, write
 def compiled_sampler(vocab: int, target, cache_dir: pathlib.Path) -> pathlib.Path:
     """The sampler's library for (vocab, target) in the compile cache in
     `cache_dir`, compiled now when it is not there. Needs TVM's compiler."""
-    from lockgate.plugins.tvm.sampler_kernels import build_sampler
+    from lockgate.plugins.tvm.sampler_build import build_sampler
 
     cache_dir = pathlib.Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -52,7 +52,7 @@ def load_sampler(vocab: int, target, cache_dir: pathlib.Path | None = None):
         library = sampler_library(vocab, target, cache_dir if cache_dir is not None else default_cache_dir())
         return tvm.runtime.load_module(str(library))
     if cache_dir is None:
-        from lockgate.plugins.tvm.sampler_kernels import build_sampler
+        from lockgate.plugins.tvm.sampler_build import build_sampler
 
         return build_sampler(vocab, target)
     return tvm.runtime.load_module(str(compiled_sampler(vocab, target, cache_dir)))
