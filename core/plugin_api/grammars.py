@@ -373,8 +373,7 @@ def _tools_grammar(request: ChatRequest, model: Model) -> Grammar | None:
     for i, tool in enumerate(request.offered_tools):
         compile_schema(tool.parameters, model.tokenizer, model.eos_token_ids, strict=tool.strict,
                        param=request.tool_parameters_param(i))
-    choice = request.effective_tool_choice
-    required = choice == "required" or choice.startswith("function:")
+    required = request.effective_tool_choice.forces_call
     max_calls = model.max_tool_calls if request.parallel_tool_calls else 1
     lark = fmt.grammar(request.forced_tools, required=required, max_calls=max_calls)
     if lark is None:

@@ -35,7 +35,7 @@ from lockgate.plugin_api.readers import (
     string,
 )
 from lockgate.plugin_api.request import ChatRequest, param, read_fields
-from lockgate.plugin_api.tool_calls import Tool, ToolCall
+from lockgate.plugin_api.tool_calls import Tool, ToolCall, ToolChoice
 from lockgate.plugin_api.tool_readers import _function, tool_objects
 
 MESSAGES_ENDPOINT = "messages"
@@ -169,19 +169,19 @@ def read_anthropic_tools(value: Any, where: str) -> tuple[Tool, ...]:
     return tuple(tools)
 
 
-def read_anthropic_tool_choice(value: Any, where: str) -> str:
+def read_anthropic_tool_choice(value: Any, where: str) -> ToolChoice:
     """`tool_choice`: `{"type": "auto" | "any" | "tool" | "none"}` ("tool"
-    with a `name`), as the chat request's "auto", "required",
-    `function:<name>` and "none"."""
+    with a `name`), as the chat request's "auto", "required", a named
+    function and "none"."""
     choice = _object(value, where)
     kind = choice.get("type")
     if kind == "tool":
-        return "function:" + string(choice.get("name"), f"{where}.name")
+        return ToolChoice.function(string(choice.get("name"), f"{where}.name"))
     mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
     if mapped is None:
         raise InvalidRequestError(f"{where}.type must be auto, any, tool or none, got {kind!r}",
                                   param=f"{where}.type")
-    return mapped
+    return ToolChoice(mapped)
 
 
 def read_output_config(value: Any, where: str) -> OutputFormat | None:
@@ -252,7 +252,7 @@ class MessagesRequest(ChatRequest):
     temperature: float = param(1.0, number(0, 1))
     stop: tuple[str, ...] = param((), read_stop_sequences, key="stop_sequences")
     tools: tuple[Tool, ...] = param((), read_anthropic_tools)
-    tool_choice: str | None = param(None, read_anthropic_tool_choice)
+    tool_choice: ToolChoice | None = param(None, read_anthropic_tool_choice)
     user: str | None = param(None, read_anthropic_metadata, key="metadata")
     # chat fields a Messages body does not have (no reader: never read)
     n: int = param(1)
@@ -264,7 +264,7 @@ class MessagesRequest(ChatRequest):
     frequency_penalty: float = param(0.0)
     response_format: OutputFormat | None = param(None, read_output_config, key="output_config")
     functions: tuple[Tool, ...] = param(())
-    function_call: str | None = param(None)
+    function_call: ToolChoice | None = param(None)
     prompt_logprobs: int | None = param(None)
     chat_template_kwargs: Mapping[str, Any] = param({})
     # the Messages API's own

@@ -50,7 +50,7 @@ from lockgate.plugin_api.readers import (
     read_stop_token_ids,
     string,
 )
-from lockgate.plugin_api.tool_calls import Tool
+from lockgate.plugin_api.tool_calls import AUTO, NO_TOOLS, Tool, ToolChoice
 from lockgate.plugin_api.tool_readers import read_functions, read_tool_choice, read_tools
 
 CHAT_ENDPOINT = "chat.completions"
@@ -200,14 +200,14 @@ class ChatRequest(GenerationRequest):
     logprobs: bool = param(False, boolean)
     top_logprobs: int | None = param(None, integer(0, MAX_TOP_LOGPROBS))
     tools: tuple[Tool, ...] = param((), read_tools)
-    #: "none", "auto", "required" or "function:<name>"; None: not given
-    tool_choice: str | None = param(None, read_tool_choice)
+    #: None: not given
+    tool_choice: ToolChoice | None = param(None, read_tool_choice)
     #: variables for the chat template (vLLM's extension: `enable_thinking`, ...)
     chat_template_kwargs: Mapping[str, Any] = param({}, read_chat_template_kwargs)
     parallel_tool_calls: bool = param(True, boolean)
     # the deprecated forms of `tools` and `tool_choice`
     functions: tuple[Tool, ...] = param((), read_functions)
-    function_call: str | None = param(None, read_tool_choice)
+    function_call: ToolChoice | None = param(None, read_tool_choice)
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -217,17 +217,17 @@ class ChatRequest(GenerationRequest):
         return self.tools or self.functions
 
     @property
-    def effective_tool_choice(self) -> str:
+    def effective_tool_choice(self) -> ToolChoice:
         """What the model may do with the tools: "none" without tools;
         "auto" when tools came without a choice."""
         if not self.offered_tools:
-            return "none"
-        return self.tool_choice or self.function_call or "auto"
+            return NO_TOOLS
+        return self.tool_choice or self.function_call or AUTO
 
     @property
     def uses_tools(self) -> bool:
         """Whether the model sees the tools (tools with "none" are plain chat)."""
-        return self.effective_tool_choice != "none"
+        return self.effective_tool_choice.mode != "none"
 
     @property
     def has_tool_history(self) -> bool:
@@ -244,8 +244,8 @@ class ChatRequest(GenerationRequest):
     def forced_tools(self) -> tuple[Tool, ...]:
         """The tools a call must be of: the named one, or all."""
         choice = self.effective_tool_choice
-        if choice.startswith("function:"):
-            return tuple(t for t in self.offered_tools if t.name == choice.removeprefix("function:"))
+        if choice.mode == "function":
+            return tuple(t for t in self.offered_tools if t.name == choice.name)
         return self.offered_tools
 
     def _check_combinations(self) -> None:
@@ -258,12 +258,8 @@ class ChatRequest(GenerationRequest):
                 continue
             if not tools and not self.offered_tools:
                 raise InvalidRequestError(f"{field} is only allowed when tools are given", param=field)
-            if choice.startswith("function:") and not any(
-                t.name == choice.removeprefix("function:") for t in self.offered_tools
-            ):
-                raise InvalidRequestError(
-                    f"{field} names {choice.removeprefix('function:')!r}, which is not among the tools", param=field
-                )
+            if choice.mode == "function" and not any(t.name == choice.name for t in self.offered_tools):
+                raise InvalidRequestError(f"{field} names {choice.name!r}, which is not among the tools", param=field)
         if self.uses_tools and self.response_format is not None:
             raise InvalidRequestError(
                 "response_format cannot be combined with tools (unless tool_choice is 'none')",

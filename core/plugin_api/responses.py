@@ -32,7 +32,7 @@ from lockgate.plugin_api.readers import (
     string,
 )
 from lockgate.plugin_api.request import ChatRequest, param, read_fields
-from lockgate.plugin_api.tool_calls import Tool, ToolCall
+from lockgate.plugin_api.tool_calls import Tool, ToolCall, ToolChoice
 from lockgate.plugin_api.tool_readers import read_tools
 
 RESPONSES_ENDPOINT = "responses"
@@ -153,17 +153,17 @@ def read_responses_tools(value: Any, where: str):
         raise
 
 
-def read_responses_tool_choice(value: Any, where: str) -> str:
+def read_responses_tool_choice(value: Any, where: str) -> ToolChoice:
     if isinstance(value, str):
-        if value not in ("none", "auto", "required"):
+        if value not in ToolChoice.MODES:
             raise InvalidRequestError(f"{where} must be none, auto, required or name a function", param=where)
-        return value
+        return ToolChoice(value)
     choice = _object(value, where)
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
         raise UnsupportedParameter(
             f"{where} must be {{\"type\": \"function\", \"name\": ...}} on this server", param=where
         )
-    return "function:" + choice["name"]
+    return ToolChoice.function(choice["name"])
 
 
 def read_text(value: Any, where: str) -> OutputFormat | None:

@@ -39,6 +39,35 @@ class Tool:
         return {"type": "function", "function": function}
 
 
+@dataclasses.dataclass(frozen=True)
+class ToolChoice:
+    """What the model may do with the tools offered: answer without them
+    (`none`), call or answer (`auto`), call at least one (`required`), or
+    call the function `name` (`function`)."""
+
+    mode: str
+    #: the function a `function` choice names
+    name: str | None = None
+
+    MODES: ClassVar[tuple[str, ...]] = ("none", "auto", "required")
+
+    @classmethod
+    def function(cls, name: str) -> "ToolChoice":
+        return cls("function", name)
+
+    @property
+    def forces_call(self) -> bool:
+        """Whether the output must be a call (`required`, or a named function)."""
+        return self.mode in ("required", "function")
+
+    def __str__(self) -> str:
+        return f"function {self.name}" if self.mode == "function" else self.mode
+
+
+NO_TOOLS = ToolChoice("none")
+AUTO = ToolChoice("auto")
+
+
 def new_call_id() -> str:
     """A fresh call id as OpenAI's look: `call_` and 24 hex digits."""
     return "call_" + secrets.token_hex(12)

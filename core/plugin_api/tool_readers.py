@@ -11,10 +11,10 @@ from typing import Any
 
 from lockgate.errors import InvalidRequestError
 from lockgate.plugin_api.readers import _object, boolean, json_type, string
-from lockgate.plugin_api.tool_calls import Tool
+from lockgate.plugin_api.tool_calls import Tool, ToolChoice
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-TOOL_CHOICES = ("none", "auto", "required")
+TOOL_CHOICES = ToolChoice.MODES
 
 #: functions one request may offer (OpenAI's limit)
 MAX_TOOLS = 128
@@ -84,14 +84,14 @@ def _function(value: Any, where: str, names: set[str]) -> Tool:
 def read_tool_choice(value: Any, where: str) -> str:
     """`tool_choice` (or the legacy `function_call`): "none", "auto",
     "required", or a tool's name for `{"type": "function", "function": {"name"}}`
-    (legacy: `{"name"}`), kept as `function:<name>`."""
+    (legacy: `{"name"}`), as a `ToolChoice`."""
     if isinstance(value, str):
         if value not in TOOL_CHOICES:
             raise InvalidRequestError(
                 f"{where} must be one of {', '.join(TOOL_CHOICES)} or names a function, got {json.dumps(value)[:60]}",
                 param=where,
             )
-        return value
+        return ToolChoice(value)
     choice = _object(value, where)
     function = choice.get("function") if "function" in choice else choice
     if "function" in choice and choice.get("type") != "function":
@@ -99,4 +99,4 @@ def read_tool_choice(value: Any, where: str) -> str:
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise InvalidRequestError(f"{where}.function.name must be a string", param=where)
-    return "function:" + name
+    return ToolChoice.function(name)
