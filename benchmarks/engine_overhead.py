@@ -3,7 +3,7 @@ streamed token, with an executor whose forward passes cost nothing.
 
 It starts the server `lockgate serve` runs (the same app, in a subprocess
 of its own) on the tests' tiny model with the `zero-cost` executor
-(`tests/zero_cost_executor.py`: logits from a precomputed table, the next
+(`tests/support/zero_cost_executor.py`: logits from a precomputed table, the next
 token a fixed function of the last one), registered through
 `lockgate_register_executors` by this script, never shipped. Then it streams
 greedy chat completions through HTTP at each concurrency with `load.py`'s
@@ -43,7 +43,7 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "support"))
 
 import load  # noqa: E402  (benchmarks/load.py: the client and the launcher)
 

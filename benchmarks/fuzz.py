@@ -1,7 +1,7 @@
 """Fuzz a running lockgate (or any OpenAI-compatible server) for as long as asked.
 
 The same generated cases and the same property as the test suite's fuzzer
-(`tests/fuzzing.py`): every answer is a 200 with a well-formed body or a 4xx
+(`tests/support/fuzzing.py`): every answer is a 200 with a well-formed body or a 4xx
 in OpenAI's error shape; never a 5xx, never a server fault inside a stream,
 never silence past the deadline. Stops at the first violation and prints it
 with the cases sent just before it (a server wedged by one request fails the
@@ -23,7 +23,7 @@ import sys
 import time
 from urllib.parse import urlsplit
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 

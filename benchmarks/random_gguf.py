@@ -2,7 +2,7 @@
 lockgate where no real model is at hand (the offline GPU host: see
 benchmarks/gpu_check.sh).
 
-The files go through the tests' writer (`tests/tiny_model.py`'s
+The files go through the tests' writer (`tests/support/tiny_model.py`'s
 `write_model_gguf`: llama.cpp's layout and RoPE permutation, the tiny GPT-2
 tokenizer padded with placeholder tokens to the shape's vocabulary, a ChatML
 template), so `lockgate serve` loads them like any GGUF. Only the source of
@@ -29,7 +29,7 @@ import gguf
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from tiny_model import TINY_CONFIG, NumpyWeights, tiny_vocab, write_model_gguf  # noqa: E402
 

@@ -36,7 +36,7 @@ or on descriptors or threads growing.
     python benchmarks/soak.py --profile faults --minutes 30 --concurrency 64   # with faults
     python benchmarks/soak.py --model tests-tiny --seconds 60                  # a tiny random model
 
-Exit status 1 when anything was violated. `tests/test_soak.py` runs both
+Exit status 1 when anything was violated. `tests/e2e/test_soak.py` runs both
 profiles for a minute on the tiny model in the test suite.
 """
 
@@ -462,7 +462,7 @@ def free_port() -> int:
 def model_path(name: str, workdir: pathlib.Path) -> str:
     if name != "tests-tiny":
         return name
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     from tiny_model import write_tiny_gguf
 
     path = workdir / "tiny.gguf"

@@ -341,7 +341,7 @@ class Settings:
 
 def markdown_table() -> str:
     """The configuration table of docs/configuration.md (checked by
-    tests/test_settings_documented.py)."""
+    tests/unit/project/test_settings_documented.py)."""
     lines = ["| flag | environment | default | |", "|---|---|---|---|"]
     for s in SETTINGS:
         flag = f"`{s.flag} {s.metavar}`" if s.metavar else f"`{s.flag}`"

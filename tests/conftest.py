@@ -3,31 +3,29 @@ built per test, and the openai SDK pointed at a live server on loopback."""
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import os
 import pathlib
-import threading
-import time
+import sys
 
 import openai
 import pytest
 
-from lockgate import hookimpl
-from lockgate.engine import EngineOptions
-from lockgate.models.executor import ExecutorOptions
-from lockgate.logging import configure_logging
-from lockgate.models import load_model
-from lockgate.plugin_api.manager import get_plugin_manager
-from lockgate.server.app import create_app
-from lockgate.server.config import Settings
-from tiny_model import write_tiny_gguf
+# the helpers and test doubles every test module imports by name (tests/support)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "support"))
+
+from lockgate.engine import EngineOptions  # noqa: E402
+from lockgate.models.executor import ExecutorOptions  # noqa: E402
+from lockgate.logging import configure_logging  # noqa: E402
+from lockgate.models import load_model  # noqa: E402
+from lockgate.plugin_api.manager import get_plugin_manager  # noqa: E402
+from lockgate.server.app import create_app  # noqa: E402
+from lockgate.server.config import Settings  # noqa: E402
+from tiny_model import write_tiny_gguf  # noqa: E402
+from helpers import TINY_EXECUTOR, InstrumentedExecutors  # noqa: E402
 
 # Tests never pick up plugins installed in the environment by accident.
 os.environ.setdefault("LOCKGATE_DISABLE_PLUGIN_AUTOLOAD", "1")
 configure_logging("console", "info")
-
-TINY_EXECUTOR = dict(max_num_seqs=8, max_total_tokens=4096, prefill_chunk_size=256)
 
 #: fixtures that load a model compiled by TVM (the executor's tests compile their own)
 _COMPILED_FIXTURES = {"load_tiny", "tiny_model", "load_instrumented", "default_model", "default_model_int8"}
@@ -134,34 +132,6 @@ async def make_openai(make_client):
         await sdk.close()
 
 
-async def wait_idle(engine, timeout: float = 60.0) -> dict:
-    """Wait until the engine holds no request and no KV page; return its stats
-    (as they are at `timeout` if it never gets there: callers assert on them)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = engine.stats()
-        idle = stats.requests_running == 0 and stats.requests_waiting == 0
-        if idle and stats.kv_pages_used == 0 or time.monotonic() > deadline:
-            return stats
-        await asyncio.sleep(0.02)
-
-
-async def wait_for(condition, timeout: float = 60.0, what: str | None = None):
-    """Poll `condition()` (a function or a coroutine function) until it returns
-    something true and return that; fail after `timeout` seconds. The deadline
-    is generous: it only bounds how long a failing test takes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what or getattr(condition, '__name__', condition)} after {timeout} s")
-        await asyncio.sleep(0.02)
-
-
 def _load_default_model(exact_matmul: bool):
     model = load_model(
         get_plugin_manager(autoload=False),
@@ -216,60 +186,6 @@ def smollm2_tokenizer(smollm2_reader):
     from lockgate.models.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_reader)
-
-
-def sample_one(logits, params, rng, prompt_ids=(), output_ids=()) -> int:
-    """One token from one row of logits, through the engine's batch sampler."""
-    from lockgate.engine.sampling import SamplingRow, sample_batch
-
-    tokens, _ = sample_batch(logits[None, :], [SamplingRow(params, rng, prompt_ids, output_ids)])
-    return int(tokens[0])
-
-
-class InstrumentedExecutor:
-    """Test double: the real executor, recording how many tokens of which
-    sequence every forward pass carries, by engine step; decodes can be held
-    or slowed down."""
-
-    def __init__(self, real):
-        self.real = real
-        #: per engine step, its forward passes: ("decode" | "prefill", {seq_id: tokens})
-        self.steps: list[list[tuple[str, dict[int, int]]]] = []
-        #: forward passes made outside an engine step (there should be none)
-        self.outside_steps: list[tuple[str, dict[int, int]]] = []
-        self.in_step = False
-        #: decodes wait while this is clear
-        self.decodes_allowed = threading.Event()
-        self.decodes_allowed.set()
-        #: every decode takes at least this long
-        self.decode_seconds = 0.0
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-    def _record(self, kind, rows):
-        (self.steps[-1] if self.in_step else self.outside_steps).append((kind, rows))
-
-    def prefill(self, seq_ids, token_ids, all_positions=None):
-        self._record("prefill", {s: len(t) for s, t in zip(seq_ids, token_ids)})
-        return self.real.prefill(seq_ids, token_ids, all_positions)
-
-    def decode(self, seq_ids, token_ids):
-        self._record("decode", {s: 1 for s in seq_ids})
-        if not self.decodes_allowed.wait(120):
-            raise RuntimeError("decodes were held for 120 s")
-        time.sleep(self.decode_seconds)
-        return self.real.decode(seq_ids, token_ids)
-
-
-class InstrumentedExecutors:
-    """Plugin: the `tvm` executor wrapped in an `InstrumentedExecutor`."""
-
-    @hookimpl
-    def lockgate_register_executors(self, register):
-        from lockgate.plugins.tvm import create_executor
-
-        register("instrumented", lambda model_file, options: InstrumentedExecutor(create_executor(model_file, options)))
 
 
 @pytest.fixture

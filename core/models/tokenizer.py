@@ -23,7 +23,7 @@ llama.cpp (`src/llama-vocab.cpp`), where the converter does otherwise. Nothing
 here imports torch.
 
 The test vectors llama.cpp ships with its vocabularies check all of this
-(`tests/test_tokenizer_vectors.py`).
+(`tests/unit/models/test_tokenizer_vectors.py`).
 """
 
 from __future__ import annotations

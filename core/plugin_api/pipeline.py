@@ -134,7 +134,7 @@ def output_parser(request: ChatRequest, model: Model, handle: Handle) -> OutputP
     """How a chat request's output is read (the same for each of its
     choices): its thinking by the model's reasoning format, its calls by
     the tool-call format (`tool_output_format`)."""
-    opened = reasoning_opened(model, handle.work.prompt_token_ids)
+    opened = model.reasoning_format is not None and reasoning_opened(model, handle.work.prompt_token_ids)
 
     def count_tokens(text: str) -> int:
         return len(model.tokenizer.encode(text, add_special_tokens=False))

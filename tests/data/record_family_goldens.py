@@ -1,5 +1,5 @@
 """Record llama.cpp's answers on the tiny model of each family: the
-reference `tests/test_family_goldens.py` checks lockgate against.
+reference `tests/unit/tvm/test_family_goldens.py` checks lockgate against.
 
 Run with a Python that has llama-cpp-python 0.3.36 (built once from its
 sdist, e.g. `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
@@ -9,7 +9,7 @@ sdist, e.g. `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON
 
 (with CASEs named, only those are recorded again; the others are kept)
 
-For each case it writes the tiny GGUF with `tests/tiny_model.py`, evaluates
+For each case it writes the tiny GGUF with `tests/support/tiny_model.py`, evaluates
 the prompt, then takes 40 greedy steps (argmax of llama.cpp's logits, end
 of turn not treated as a stop), recording at each step the chosen id, the
 margin to the runner-up and llama.cpp's top-8 logits. The file's sha256 is
@@ -27,7 +27,7 @@ import tempfile
 import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "support"))
 
 from tiny_model import KQUANT_CONFIG, Q4_K_M, Q5_K_M, write_tiny_gguf  # noqa: E402
 
@@ -138,7 +138,7 @@ def main() -> None:
     result = {
         "how": (
             f"llama-cpp-python {llama_cpp.__version__} (AVX2 build), tiny {TENSOR_TYPE} models "
-            f"(the quantized cases: the types of TYPES) from tests/tiny_model.py (seed {SEED}), prompt evaluated at once, then greedy argmax steps "
+            f"(the quantized cases: the types of TYPES) from tests/support/tiny_model.py (seed {SEED}), prompt evaluated at once, then greedy argmax steps "
             f"over the last logits, end of turn not a stop; margins[i] = top1 - top2 logit; "
             f"top_logits[i] = llama.cpp's {TOP} largest logits as [id, logit]"
         ),
