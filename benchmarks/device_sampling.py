@@ -108,7 +108,7 @@ def main() -> None:
     executors = {
         mode: create_executor(
             ModelFile(path, config),
-            ExecutorOptions(
+            ExecutorOptions.of(
                 max_num_seqs=max(batches),
                 max_total_tokens=max(batches) * (PROMPT_TOKENS + args.steps + 8) * 2,
                 target=args.target,

@@ -121,7 +121,7 @@ class LockgateRunner:
         config = ModelConfig.from_gguf(metadata)
         # the server's defaults for whatever is not given
         given = {"target": target, "prefill_chunk_size": prefill_chunk_size}
-        options = ExecutorOptions(
+        options = ExecutorOptions.of(
             max_num_seqs=max_num_seqs,
             max_total_tokens=total_tokens,
             cache_dir=cache_dir,

@@ -48,7 +48,7 @@ def main() -> None:
 
     path = args.model or default_model_path()
     config = ModelConfig.from_gguf(gguf.GGUFReader(path))
-    options = ExecutorOptions(
+    options = ExecutorOptions.of(
         max_num_seqs=4,
         max_total_tokens=8192,
         prefill_chunk_size=256,

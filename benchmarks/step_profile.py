@@ -38,7 +38,7 @@ def main() -> None:
 
     path = args.model or str(locate_smollm2())
     config = ModelConfig.from_gguf(GGUFMetadata(path))
-    options = ExecutorOptions(
+    options = ExecutorOptions.of(
         max_num_seqs=max(4, args.batch), max_total_tokens=max(4096, 2 * args.tokens + 64 * args.batch),
         prefill_chunk_size=args.tokens, num_threads=args.threads, exact_matmul=args.exact_matmul,
     )

@@ -1,10 +1,15 @@
 """Every setting of `lockgate serve`, declared once.
 
-`SETTINGS` is the single table (datasette's `SETTINGS` is the model): each
-`Setting` names its type, default and help text, and from it come
+`SETTINGS` is the server's own table (datasette's `SETTINGS` is the model);
+plugins add theirs through `lockgate_add_settings` (pytest's
+`pytest_addoption` is the model: the TVM executor its target, threads and
+cache, the Ray engine its replicas), and `settings_table(pm)` is the whole.
+Each `Setting` names its type, default and help text, and from the table
+come
 
-* the fields and defaults of `lockgate.server.config.Settings`, and the
-  defaults of `EngineOptions` and `ExecutorOptions` (`setting_default`);
+* the fields and defaults of `lockgate.server.config.Settings` (a plugin's
+  settings are held in `Settings.plugins` and read as attributes too), and
+  the defaults of `EngineOptions` and `ExecutorOptions` (`setting_default`);
 * the environment variables `LOCKGATE_<NAME>` (`values_from_env`);
 * the `--flags` of `lockgate serve` (`add_arguments`);
 * the configuration table of docs/configuration.md (`markdown_table`, or
@@ -20,8 +25,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,11 +149,6 @@ SETTINGS: tuple[Setting, ...] = (
             "serve `/metrics` without the API key, which it otherwise needs when keys are set"),
     Setting("max_body_size", int, 4 * 1024 * 1024, "bytes; larger bodies get 413"),
     Setting("executor", str, "tvm", "the executor plugin that runs the model"),
-    Setting("target", str, "auto", "compile target: `llvm`, `cuda`, or `auto` (CUDA when a GPU is present)",
-            choices=("auto", "llvm", "cuda")),
-    Setting("quantize", str, None,
-            "pack float weights at load, a Hugging Face directory's or a GGUF file's F32/F16/BF16 "
-            "matrices: `q8_0` or `q4_0`", choices=("q8_0", "q4_0")),
     Setting("max_num_seqs", int, 16, "sequences decoded in one batch"),
     Setting("max_total_tokens", int, 8192,
             "KV cache capacity, all sequences together (f16, about 22.5 KiB a token for the default model)"),
@@ -180,30 +181,6 @@ SETTINGS: tuple[Setting, ...] = (
             "what runs the model's requests: `local` (continuous batching in this process) or an engine "
             "plugin's name (`lockgate_register_engines`; built in: `ray`, replicas on Ray Serve)",
             default_text="`ray` where `--replicas` is given, else `local`", metavar="NAME"),
-    Setting("replicas", str, None,
-            "engine replicas on Ray Serve (`lockgate[ray]`): a number, or `auto` to scale between "
-            "`--min-replicas` and `--max-replicas` on ongoing requests",
-            default_text="none: one engine in this process", metavar="N"),
-    Setting("min_replicas", int, 1, "fewest replicas with `--replicas auto`"),
-    Setting("max_replicas", int, 4, "most replicas with `--replicas auto`"),
-    Setting("ray_address", str, "local",
-            "the Ray cluster replicas run on: `local` starts one in this process; `auto` or "
-            "`HOST:6379` joins an existing one from one of its nodes (KubeRay included), and attaches to "
-            "replicas already deployed there as `lockgate-<served model name>`", metavar="ADDRESS"),
-    Setting("gpus_per_replica", float, 0.0, "GPUs Ray gives each replica (0: CPU replicas)"),
-    Setting("cpus_per_replica", float, 1.0,
-            "CPUs Ray reserves for each replica (its executor threads are `--num-threads`)"),
-    Setting("num_threads", int, None, "CPU threads for the executor", default_text="all cores"),
-    Setting("exact_matmul", bool, False,
-            "multiply quantized weights exactly on the CPU, each dequantized to float32 (2-7x slower); by "
-            "default activations are rounded to 8 bits per block of 32, as llama.cpp does, and integer dot "
-            "products (AVX2, AVX-512 VNNI) do the work"),
-    Setting("device_sampling", bool, None,
-            "choose tokens where the logits are, so only token ids (and requested logprobs) cross to the "
-            "host; `--no-device-sampling` samples on the host with numpy",
-            default_text="on for CUDA, off for llvm (numpy is faster on the CPU)"),
-    Setting("cache_dir", Path, None, "where compiled models are cached",
-            default_text="`~/.cache/lockgate`", metavar="DIR"),
     Setting("shutdown_grace", float, 30.0, "seconds in-flight requests get after SIGTERM"),
     Setting("log_format", str, "auto", "`console`, `json`, or `auto` (console on a TTY, json otherwise)",
             choices=("auto", "console", "json")),
@@ -213,22 +190,63 @@ SETTINGS: tuple[Setting, ...] = (
 
 _BY_NAME = {setting.name: setting for setting in SETTINGS}
 
+#: a table of settings: the server's own, then those plugins added
+Table = Sequence[Setting]
 
-def get_setting(name: str) -> Setting:
-    return _BY_NAME[name]
+
+def settings_table(pm=None) -> tuple[Setting, ...]:
+    """Every setting: `SETTINGS`, then those the plugins of `pm` add
+    (`lockgate_add_settings`), plugin by plugin in registration order. Without `pm`, the
+    built-in plugins' (what the docs' table shows).
+
+    :raises InvalidSetting: a plugin's setting whose name is taken.
+    """
+    if pm is None:
+        return _built_in_table()
+    added: list[Setting] = []
+    # called one by one in registration order (pluggy calls the last
+    # registered first): the built-ins' rows first, in a stable order
+    for impl in pm.hook.lockgate_add_settings.get_hookimpls():
+        impl.function(**{name: added.append for name in impl.argnames if name == "register"})
+    table = list(SETTINGS)
+    names = {s.name for s in table}
+    for setting in added:
+        if setting.name in names:
+            raise InvalidSetting(f"a plugin adds the setting {setting.name!r}, which is already taken")
+        names.add(setting.name)
+        table.append(setting)
+    return tuple(table)
+
+
+@functools.cache
+def _built_in_table() -> tuple[Setting, ...]:
+    # imported here: the plugin manager imports the plugins, which import this module
+    from lockgate.plugin_api.manager import get_plugin_manager
+
+    return settings_table(get_plugin_manager(autoload=False))
+
+
+def get_setting(name: str, table: Table | None = None) -> Setting:
+    """The setting `name` of `table` (the built-in table by default)."""
+    found = _BY_NAME.get(name)
+    if found is None:
+        found = next((s for s in (table or settings_table()) if s.name == name), None)
+    if found is None:
+        raise KeyError(name)
+    return found
 
 
 def setting_default(name: str) -> Any:
-    """The default of setting `name`, for dataclasses that hold some settings
-    (`max_queue: int = setting_default("max_queue")`)."""
+    """The default of the server's setting `name`, for dataclasses that hold
+    some settings (`max_queue: int = setting_default("max_queue")`)."""
     return _BY_NAME[name].default
 
 
-def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+def values_from_env(env: Mapping[str, str], table: Table = SETTINGS) -> dict[str, Any]:
     """Parsed values of the settings whose `LOCKGATE_*` variable is set and
     not empty; raises `InvalidSetting` naming the variable."""
     values = {}
-    for setting in SETTINGS:
+    for setting in table:
         for var in setting.env_vars:
             raw = env.get(var)
             if raw:
@@ -240,10 +258,10 @@ def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, table: Table = SETTINGS) -> None:
     """One flag per setting, `dest` the setting's name. Flags not given are
     None, so the environment and the defaults show through."""
-    for setting in SETTINGS:
+    for setting in table:
         default = _plain(setting.default_markdown())
         help_text = f"{_plain(setting.help)} (default: {default}; env {', '.join(setting.env_vars)})"
         help_text = help_text.replace("%", "%%")
@@ -261,10 +279,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def values_from_args(args: argparse.Namespace) -> dict[str, Any]:
+def values_from_args(args: argparse.Namespace, table: Table = SETTINGS) -> dict[str, Any]:
     """The settings given as flags (those not None)."""
     given = vars(args)
-    return {s.name: given[s.name] for s in SETTINGS if given.get(s.name) is not None}
+    return {s.name: given[s.name] for s in table if given.get(s.name) is not None}
 
 
 def _flag_parser(setting: Setting) -> Callable[[str], Any]:
@@ -283,49 +301,91 @@ def _plain(markdown: str) -> str:
 
 def _fields_from_table(cls: type) -> type:
     """Make `cls` a dataclass with one field per entry of `SETTINGS`, the
-    entry's default as the field's."""
+    entry's default as the field's, and `plugins`: the values of the
+    settings plugins add."""
     cls.__annotations__ = {setting.name: setting.annotation for setting in SETTINGS}
     for setting in SETTINGS:
         setattr(cls, setting.name, setting.default)
+    cls.__annotations__["plugins"] = Mapping[str, Any]
+    cls.plugins = dataclasses.field(default_factory=dict)
     return dataclasses.dataclass(cls)
 
 
 @_fields_from_table
 class Settings:
     """Everything `lockgate serve` can be told: one field per entry of
-    `lockgate.settings.SETTINGS` (`Settings().port`, `Settings(port=9000)`)."""
+    `lockgate.settings.SETTINGS` (`Settings().port`, `Settings(port=9000)`),
+    and the values of the settings plugins add, in `plugins` and read as
+    attributes (`settings.replicas`); a plugin setting not given reads as
+    its default."""
+
+    def __getattr__(self, name: str) -> Any:
+        # only called for names that are not fields: a plugin's setting
+        if name.startswith("__") or name == "plugins":
+            raise AttributeError(name)
+        plugins = self.__dict__.get("plugins", {})
+        if name in plugins:
+            return plugins[name]
+        try:
+            return get_setting(name).default
+        except KeyError:
+            raise AttributeError(f"no setting named {name!r}") from None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+    def from_env(cls, env: Mapping[str, str] | None = None, *, table: Table | None = None,
+                 **overrides: Any) -> "Settings":
         """Defaults, then `LOCKGATE_*` variables, then `overrides` (those not
-        None; text is parsed like a variable's, so `api_keys="a,b"` works).
+        None; text is parsed like a variable's, so `api_keys="a,b"` works),
+        for the settings of `table` (the built-in plugins' too by default).
         Raises `InvalidSetting` naming the variable or setting that does not parse."""
         env = os.environ if env is None else env
-        values = values_from_env(env)
+        table = settings_table() if table is None else table
+        values = values_from_env(env, table)
         for name, value in overrides.items():
             if value is None:
                 continue
             if isinstance(value, str):
                 try:
-                    value = get_setting(name).parse(value)
+                    value = get_setting(name, table).parse(value)
+                except KeyError:
+                    raise InvalidSetting(f"no setting named {name!r}") from None
                 except InvalidSetting as exc:
                     raise InvalidSetting(f"{name} {exc}") from None
             values[name] = value
-        return cls(**values)
+        # a plugin's settings not given hold their defaults
+        for setting in table:
+            values.setdefault(setting.name, setting.default)
+        return cls.of(**values)
+
+    @classmethod
+    def of(cls, **values: Any) -> "Settings":
+        """Settings from parsed values by name: the server's as fields, a
+        plugin's in `plugins` (`Settings.of(port=9000, replicas="2")`)."""
+        own = {name: value for name, value in values.items() if name in _BY_NAME}
+        plugins = {name: value for name, value in values.items() if name not in _BY_NAME}
+        return cls(**own, plugins=plugins)
+
+    def replaced(self, **values: Any) -> "Settings":
+        """A copy with `values` (the server's settings or a plugin's) changed."""
+        merged = {**{s.name: getattr(self, s.name) for s in SETTINGS}, **self.plugins, **values}
+        return Settings.of(**merged)
 
     def executor_options(self, progress=None):
-        """The `ExecutorOptions` these settings hold."""
+        """The `ExecutorOptions` these settings hold: the sizes, and every
+        plugin's settings for the executor to read its own from."""
         # imported here: those modules take their defaults from this one
         from lockgate.models.executor import ExecutorOptions
 
-        return ExecutorOptions(**self._held_by(ExecutorOptions), progress=progress)
+        return ExecutorOptions(**self._held_by(ExecutorOptions), plugin_settings=dict(self.plugins),
+                               progress=progress)
 
     @property
     def engine_name(self) -> str:
-        """The engine `engine` names, or the one its default stands for."""
+        """The engine `engine` names, or the one its default stands for:
+        `ray` where the Ray plugin's `--replicas` was given, else `local`."""
         if self.engine:
             return self.engine
-        return "local" if self.replicas is None else "ray"
+        return "local" if self.plugins.get("replicas") is None else "ray"
 
     def engine_options(self):
         """The `EngineOptions` these settings hold."""
@@ -339,11 +399,12 @@ class Settings:
         return {setting.name: getattr(self, setting.name) for setting in SETTINGS if setting.name in names}
 
 
-def markdown_table() -> str:
+def markdown_table(table: Table | None = None) -> str:
     """The configuration table of docs/configuration.md (checked by
-    tests/unit/project/test_settings_documented.py)."""
+    tests/unit/project/test_settings_documented.py): the server's settings
+    and the built-in plugins'."""
     lines = ["| flag | environment | default | |", "|---|---|---|---|"]
-    for s in SETTINGS:
+    for s in settings_table() if table is None else table:
         flag = f"`{s.flag} {s.metavar}`" if s.metavar else f"`{s.flag}`"
         env = ", ".join(f"`{var}`" for var in s.env_vars)
         lines.append(f"| {flag} | {env} | {s.default_markdown()} | {s.help} |")

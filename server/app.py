@@ -25,6 +25,7 @@ from lockgate.metrics import Metrics
 from lockgate.models import Model, ServedModels, load_served_model
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.server.config import Settings, serve_parser, settings_from_args
+from lockgate.settings import settings_table
 from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS, TRIMMER
 
 from lockgate.server.middlewares import (
@@ -139,7 +140,7 @@ def serving_process(pm: pluggy.PluginManager | None = None) -> pluggy.PluginMana
 def app_from_env() -> web.Application:
     """Logging and settings from the environment (for gunicorn)."""
     pm = serving_process()
-    settings = Settings.from_env()
+    settings = Settings.from_env(table=settings_table(pm))
     configure_logging(settings.log_format, settings.log_level)
     return create_app(settings, pm=pm)
 
@@ -148,8 +149,8 @@ def init_app(argv: list[str] | None = None) -> web.Application:
     """Entry for `python -m aiohttp.web ... lockgate.server.app:init_app [flags]`:
     extra flags are those of `lockgate serve` (host and port belong to aiohttp)."""
     pm = serving_process()
-    args = serve_parser().parse_args(argv or [])
-    settings = settings_from_args(args)
+    args = serve_parser(pm=pm).parse_args(argv or [])
+    settings = settings_from_args(args, pm)
     configure_logging(settings.log_format, settings.log_level)
     return create_app(settings, pm=pm)
 

@@ -84,20 +84,26 @@ def list_plugins(as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lockgate", description="OpenAI-compatible LLM server")
-    parser.add_argument("--version", action="version", version=f"lockgate {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve_parser(commands.add_parser("serve", help="serve a model over the OpenAI API"))
-    plugins = commands.add_parser("plugins", help="list loaded plugins and their hooks")
-    plugins.add_argument("--json", action="store_true", help="machine-readable output")
-    args = parser.parse_args(argv)
     from lockgate.errors import ModelLoadError, PluginError
 
     try:
+        # the plugins first: `serve`'s flags include those they add
+        pm = None
+        if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+            from lockgate.plugin_api.manager import get_plugin_manager
+
+            pm = get_plugin_manager()
+        parser = argparse.ArgumentParser(prog="lockgate", description="OpenAI-compatible LLM server")
+        parser.add_argument("--version", action="version", version=f"lockgate {__version__}")
+        commands = parser.add_subparsers(dest="command", required=True)
+        serve_parser(commands.add_parser("serve", help="serve a model over the OpenAI API"), pm)
+        plugins = commands.add_parser("plugins", help="list loaded plugins and their hooks")
+        plugins.add_argument("--json", action="store_true", help="machine-readable output")
+        args = parser.parse_args(argv)
         if args.command == "plugins":
             list_plugins(args.json)
         else:
-            serve(settings_from_args(args))
+            serve(settings_from_args(args, pm), pm)
     except (InvalidSetting, ModelLoadError, PluginError) as exc:
         # a mistake in how the server was set up: say it, no traceback
         print(f"lockgate: {exc}", file=sys.stderr)

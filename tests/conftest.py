@@ -81,7 +81,7 @@ def load_tiny(tiny_gguf):
             executor=executor,
             served_name="tiny",
             chat_template=chat_template,
-            executor_options=ExecutorOptions(**{**TINY_EXECUTOR, **(executor_options or {})}),
+            executor_options=ExecutorOptions.of(**{**TINY_EXECUTOR, **(executor_options or {})}),
             engine_options=EngineOptions(**engine_options),
             tool_call_format=tool_call_format,
         )
@@ -136,7 +136,7 @@ def _load_default_model(exact_matmul: bool):
     model = load_model(
         get_plugin_manager(autoload=False),
         "SmolLM2-135M-Instruct",
-        executor_options=ExecutorOptions(
+        executor_options=ExecutorOptions.of(
             max_num_seqs=8, max_total_tokens=8192, prefill_chunk_size=256, exact_matmul=exact_matmul
         ),
     )

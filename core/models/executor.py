@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,9 @@ from lockgate.settings import setting_default
 
 @dataclasses.dataclass(frozen=True)
 class ExecutorOptions:
-    """Sizing and placement of an executor, from the CLI or environment."""
+    """Sizing of an executor, from the CLI or environment, and the settings
+    plugins add, from which an executor reads its own (the TVM executor its
+    target, threads, cache directory, ...)."""
 
     #: most sequences decoded in one step (the KV cache's batch dimension)
     max_num_seqs: int = setting_default("max_num_seqs")
@@ -32,23 +35,20 @@ class ExecutorOptions:
     max_total_tokens: int = setting_default("max_total_tokens")
     #: most tokens one prefill call may carry (longer prompts are chunked)
     prefill_chunk_size: int = setting_default("prefill_chunk_size")
-    #: pack float matrices at load: "q8_0", "q4_0", or None to keep them
-    quantize: str | None = setting_default("quantize")
-    #: "auto" (cuda when a GPU is present, else llvm), "llvm" or "cuda"
-    target: str = setting_default("target")
-    #: where compiled libraries are cached; None means the default cache dir
-    cache_dir: Path | None = setting_default("cache_dir")
-    #: CPU threads for the llvm target; None lets the runtime decide
-    num_threads: int | None = setting_default("num_threads")
-    #: choose tokens where the logits are (`Executor.sample`), so only token
-    #: ids and requested logprobs cross to the host; None: on for cuda, off
-    #: for llvm (numpy samples faster on the CPU)
-    device_sampling: bool | None = setting_default("device_sampling")
-    #: on the CPU, dequantize packed weights to float32 rather than round
-    #: activations to 8 bits for integer dot products
-    exact_matmul: bool = setting_default("exact_matmul")
+    #: values of the settings plugins add (`lockgate_add_settings`), by name;
+    #: one not given is absent, and its plugin's default applies
+    plugin_settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: called with one-line progress messages while compiling and loading
     progress: Callable[[str], None] | None = None
+
+    @classmethod
+    def of(cls, **values: Any) -> "ExecutorOptions":
+        """Options from values by name: this class's fields, and the rest as
+        plugin settings (`ExecutorOptions.of(max_num_seqs=2, cache_dir=d)`)."""
+        own = {field.name for field in dataclasses.fields(cls)}
+        plugin = {name: value for name, value in values.items() if name not in own}
+        return cls(**{name: value for name, value in values.items() if name in own},
+                   plugin_settings={**values.get("plugin_settings", {}), **plugin})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,8 @@ engine and the models import `hookimpl` from here):
 * `ModelFamily` (`lockgate.models.families`).
 * `ToolCallFormat` (`lockgate.plugin_api.tool_calls`).
 * `ReasoningFormat` (`lockgate.plugin_api.reasoning`).
-* `Settings` (`lockgate.settings`): every setting of `lockgate serve`.
+* `Settings`, `Setting` (`lockgate.settings`): every setting of `lockgate
+  serve`; one setting's declaration.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from lockgate.plugin_api.reasoning import ReasoningFormat
     from lockgate.plugin_api.request import GenerationRequest
     from lockgate.plugin_api.tool_calls import ToolCallFormat
-    from lockgate.settings import Settings
+    from lockgate.settings import Setting, Settings
 
 PROJECT_NAME = "lockgate"
 
@@ -210,6 +211,24 @@ def lockgate_register_models(register: Callable[[ModelSpec], None]) -> None:
     :returns: nothing; the return value is ignored.
     :raises: `lockgate.errors.ModelLoadError` (best from `locate`) to stop
         start-up with a message.
+
+    Every implementation runs.
+    """
+
+
+@hookspec
+def lockgate_add_settings(register: Callable[[Setting], None]) -> None:
+    """Add settings of a plugin's own to `lockgate serve` (pytest's
+    `pytest_addoption` is the model).
+
+    :param register: call `register(Setting(name, type, default, help))`
+        (`lockgate.settings.Setting`) once per setting: it becomes the flag
+        `--name`, the variable `LOCKGATE_NAME` and a row of the settings
+        table; its value reaches the plugin as `settings.name` (the
+        `Settings` an engine's loader gets) and in
+        `ExecutorOptions.plugin_settings` (what an executor factory gets).
+    :returns: nothing; the return value is ignored.
+    :raises: nothing by design; a name that is taken stops start-up.
 
     Every implementation runs.
     """

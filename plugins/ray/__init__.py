@@ -23,6 +23,7 @@ import pluggy
 
 from lockgate.models import Model, open_model
 from lockgate.plugin_api.hookspecs import hookimpl
+from lockgate.settings import Setting
 
 __all__ = ["application_name", "serve_on_ray"]
 
@@ -30,9 +31,33 @@ __all__ = ["application_name", "serve_on_ray"]
 NAMESPACE = "lockgate"
 
 
+#: the settings this plugin adds to `lockgate serve`
+SETTINGS = (
+    Setting("replicas", str, None,
+            "engine replicas on Ray Serve (`lockgate[ray]`): a number, or `auto` to scale between "
+            "`--min-replicas` and `--max-replicas` on ongoing requests",
+            default_text="none: one engine in this process", metavar="N"),
+    Setting("min_replicas", int, 1, "fewest replicas with `--replicas auto`"),
+    Setting("max_replicas", int, 4, "most replicas with `--replicas auto`"),
+    Setting("ray_address", str, "local",
+            "the Ray cluster replicas run on: `local` starts one in this process; `auto` or "
+            "`HOST:6379` joins an existing one from one of its nodes (KubeRay included), and attaches to "
+            "replicas already deployed there as `lockgate-<served model name>`", metavar="ADDRESS"),
+    Setting("gpus_per_replica", float, 0.0, "GPUs Ray gives each replica (0: CPU replicas)"),
+    Setting("cpus_per_replica", float, 1.0,
+            "CPUs Ray reserves for each replica (its executor threads are `--num-threads`)"),
+)
+
+
 @hookimpl
 def lockgate_register_engines(register):
     register("ray", serve_on_ray)
+
+
+@hookimpl
+def lockgate_add_settings(register) -> None:
+    for setting in SETTINGS:
+        register(setting)
 
 
 def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None) -> Model:

@@ -3,7 +3,6 @@ them down again."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -117,7 +116,7 @@ def engine_application(settings, plan: ReplicaPlan, board: str, namespace: str):
     if "request_router_config" in options:
         options["request_router_config"] = RequestRouterConfig(**options["request_router_config"])
     # each replica serves its one engine in-process
-    replica_settings = dataclasses.replace(settings, replicas=None)
+    replica_settings = settings.replaced(replicas=None)
     return serve.deployment(EngineReplica).options(**options).bind(replica_settings, board, namespace)
 
 

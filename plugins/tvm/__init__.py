@@ -95,3 +95,11 @@ def lockgate_register_executors(register):
 def lockgate_register_model_families(register):
     for family in BUILTIN_FAMILIES:
         register(family)
+
+
+@hookimpl
+def lockgate_add_settings(register) -> None:
+    from lockgate.plugins.tvm.settings import SETTINGS
+
+    for setting in SETTINGS:
+        register(setting)

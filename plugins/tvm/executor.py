@@ -14,6 +14,7 @@ from lockgate.memory import Trimmer
 from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
 from lockgate.plugins.tvm import runtime
 from lockgate.plugins.tvm.device_logits import DeviceLogits, View
+from lockgate.plugins.tvm.settings import TVMOptions
 
 log = structlog.get_logger("lockgate.executor")
 
@@ -46,7 +47,8 @@ class TVMExecutor(Executor):
         for name in ("max_num_seqs", "max_total_tokens", "prefill_chunk_size"):
             if getattr(options, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(options, name)}")
-        runtime.set_num_threads(options.num_threads)
+        tvm_options = TVMOptions.of(options)
+        runtime.set_num_threads(tvm_options.num_threads)
 
         from lockgate.plugins.tvm import weights
         from lockgate.plugins.tvm.compile_cache import model_library, target_kind
@@ -65,7 +67,7 @@ class TVMExecutor(Executor):
         self.config = config
         # the runtime alone answers this and finds a cached library: TVM's
         # compiler is loaded only to build one (`compile_cache`)
-        kind = target_kind(options.target)
+        kind = target_kind(tvm_options.target)
         tensors = weights.open_tensors(model_file)
         family = model_file.family
         if family is None:
@@ -75,8 +77,8 @@ class TVMExecutor(Executor):
         self.family = family
         # a directory's rows are in Hugging Face's order already
         permuted_qk = family.permuted_qk and not os.path.isdir(model_file.path)
-        if options.quantize:
-            tensors = QuantizedAtLoad(tensors, options.quantize, config)
+        if tvm_options.quantize:
+            tensors = QuantizedAtLoad(tensors, tvm_options.quantize, config)
         formats = linear_formats(tensors, config)
         self.load_report = load_report(tensors, config, formats)
         log.info("weight formats", formats=describe_load_report(self.load_report))
@@ -89,12 +91,12 @@ class TVMExecutor(Executor):
                 extra_mib=round(extra / (1 << 20), 1),
             )
         cuda = kind == "cuda"
-        if options.exact_matmul and not cuda:
+        if tvm_options.exact_matmul and not cuda:
             formats[CPU_ACTIVATIONS] = "float32"
         self.compiled, facts = model_library(
             config,
             kind,
-            options.cache_dir,
+            tvm_options.cache_dir,
             options.progress,
             formats,
             options.max_num_seqs if cuda else None,
@@ -166,7 +168,7 @@ class TVMExecutor(Executor):
         # device sampling: the logits stay where they are and `sample` runs
         # the sampler's kernels on them; off (None), logits come back as numpy
         self._sampler = None
-        if cuda if options.device_sampling is None else options.device_sampling:
+        if cuda if tvm_options.device_sampling is None else tvm_options.device_sampling:
             from lockgate.plugins.tvm.compile_cache import default_cache_dir
             from lockgate.plugins.tvm.sampler import DeviceSampler
 
@@ -175,7 +177,7 @@ class TVMExecutor(Executor):
                 self.vocab_size,
                 kind,
                 self.device,
-                options.cache_dir if options.cache_dir is not None else default_cache_dir(),
+                tvm_options.cache_dir if tvm_options.cache_dir is not None else default_cache_dir(),
             )
         self._progress("model ready")
 

@@ -20,6 +20,7 @@ import pytest
 from lockgate.engine.params import SamplingParams
 from lockgate.engine.sampling import SamplingRow, make_generator, sample_batch
 from lockgate.models.executor import ExecutorOptions
+from lockgate.plugins.tvm.settings import TVMOptions
 
 tvm = pytest.importorskip("tvm")
 
@@ -112,7 +113,7 @@ def _count_device_samples(monkeypatch, executor: TVMExecutor) -> list[int]:
 
 def test_auto_is_off_on_llvm(models, tiny_model):
     host, device = models
-    assert ExecutorOptions().device_sampling is None
+    assert TVMOptions.of(ExecutorOptions.of()).device_sampling is None
     assert tiny_model.executor._sampler is None  # llvm, automatic: numpy
     assert host.executor._sampler is None
     assert device.executor._sampler is not None

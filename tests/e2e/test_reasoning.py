@@ -153,7 +153,7 @@ def load_scripted(tmp_path_factory):
     def load(chat_template: str):
         model = load_model(get_plugin_manager(autoload=False, plugins=[ScriptedExecutors()]), str(path),
                            executor="scripted", served_name="tiny", chat_template=chat_template,
-                           executor_options=ExecutorOptions(max_num_seqs=8, max_total_tokens=8192,
+                           executor_options=ExecutorOptions.of(max_num_seqs=8, max_total_tokens=8192,
                                                             prefill_chunk_size=256))
         loaded.append(model)
         return model
@@ -345,7 +345,7 @@ async def test_a_plugin_format_is_chosen_before_the_built_ins(tmp_path, make_cli
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     pm = get_plugin_manager(autoload=False, plugins=[ScriptedExecutors(), BracketThinkPlugin()])
     model = load_model(pm, str(path), executor="scripted", served_name="tiny", chat_template=BRACKET_TEMPLATE,
-                       executor_options=ExecutorOptions(max_num_seqs=2, max_total_tokens=1024,
+                       executor_options=ExecutorOptions.of(max_num_seqs=2, max_total_tokens=1024,
                                                         prefill_chunk_size=256))
     try:
         assert isinstance(model.reasoning_format, BracketThink)

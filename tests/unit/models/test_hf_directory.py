@@ -42,7 +42,7 @@ def _logits(model: str, cache: pathlib.Path, **options) -> np.ndarray:
 
     ex = create_executor(
         source.model_file(),
-        ExecutorOptions(max_num_seqs=1, max_total_tokens=128, prefill_chunk_size=32, cache_dir=cache, **options),
+        ExecutorOptions.of(max_num_seqs=1, max_total_tokens=128, prefill_chunk_size=32, cache_dir=cache, **options),
     )
     try:
         ex.add_sequence(0)

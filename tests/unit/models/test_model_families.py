@@ -62,7 +62,7 @@ def test_family_matches_reference(variant, family_files, compile_cache):
 
     path = family_files[variant]
     config = ModelConfig.from_gguf(GGUFMetadata(path))
-    options = ExecutorOptions(
+    options = ExecutorOptions.of(
         max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=compile_cache
     )
     ex = create_executor(ModelFile(path, config), options)
@@ -158,7 +158,7 @@ def test_a_qwen2_file_without_biases_is_refused(tmp_path, compile_cache):
     path = write_tiny_gguf(tmp_path / "q.gguf", architecture="qwen2")
     config = ModelConfig.from_gguf(GGUFMetadata(path))
     with pytest.raises(ModelLoadError, match="Q/K/V biases"):
-        create_executor(ModelFile(path, config), ExecutorOptions(cache_dir=compile_cache))
+        create_executor(ModelFile(path, config), ExecutorOptions.of(cache_dir=compile_cache))
 
 
 def test_a_sliding_window_model_shares_no_prefixes(family_files, compile_cache):
@@ -173,7 +173,7 @@ def test_a_sliding_window_model_shares_no_prefixes(family_files, compile_cache):
     model = load_model(
         get_plugin_manager(autoload=False),
         str(family_files["gemma3"]),
-        executor_options=ExecutorOptions(max_num_seqs=2, max_total_tokens=256, cache_dir=compile_cache),
+        executor_options=ExecutorOptions.of(max_num_seqs=2, max_total_tokens=256, cache_dir=compile_cache),
         engine_options=EngineOptions(),
     )
     try:

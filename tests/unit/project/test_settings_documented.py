@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from lockgate.server.config import Settings, serve_parser, settings_from_args
-from lockgate.settings import SETTINGS, InvalidSetting, Setting, markdown_table
+from lockgate.settings import SETTINGS, InvalidSetting, Setting, markdown_table, settings_table
+
+#: the server's settings and the built-in plugins'
+TABLE = settings_table()
 
 CONFIGURATION = ROOT / "docs" / "configuration.md"
 START = "<!-- settings table: python -m lockgate.settings -->\n"
@@ -29,9 +32,17 @@ def test_readme_table_is_the_settings_table():
 
 
 def test_settings_fields_are_the_table():
-    fields = dataclasses.fields(Settings)
+    """The server's settings are fields; the plugins' are held in `plugins`."""
+    fields = [f for f in dataclasses.fields(Settings) if f.name != "plugins"]
     assert [f.name for f in fields] == [s.name for s in SETTINGS]
     assert {f.name: f.default for f in fields} == {s.name: s.default for s in SETTINGS}
+
+
+def test_the_built_in_plugins_add_their_settings():
+    added = [s.name for s in TABLE[len(SETTINGS):]]
+    assert added == ["target", "quantize", "num_threads", "exact_matmul", "device_sampling", "cache_dir",
+                     "replicas", "min_replicas", "max_replicas", "ray_address", "gpus_per_replica",
+                     "cpus_per_replica"]
 
 
 def sample(setting: Setting) -> tuple[str, object]:
@@ -51,7 +62,7 @@ def sample(setting: Setting) -> tuple[str, object]:
     }[setting.type]
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+@pytest.mark.parametrize("setting", TABLE, ids=lambda s: s.name)
 def test_every_variable_parses_to_the_type(setting):
     raw, value = sample(setting)
     for var in setting.env_vars:
@@ -59,7 +70,7 @@ def test_every_variable_parses_to_the_type(setting):
         assert parsed == value and type(parsed) is type(value), var
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+@pytest.mark.parametrize("setting", TABLE, ids=lambda s: s.name)
 def test_every_flag_parses_to_the_type(setting):
     raw, value = sample(setting)
     if setting.is_bool:  # the on/off flag that changes the default

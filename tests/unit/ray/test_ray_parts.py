@@ -65,17 +65,17 @@ def test_prefix_hashes_share_exactly_the_shared_blocks():
 
 
 def test_replica_plan():
-    assert ReplicaPlan.from_settings(Settings(replicas="3")) == ReplicaPlan(3, 3, 3)
-    assert ReplicaPlan.from_settings(Settings(replicas="auto", min_replicas=2, max_replicas=5)) == ReplicaPlan(None, 2, 5)
+    assert ReplicaPlan.from_settings(Settings.of(replicas="3")) == ReplicaPlan(3, 3, 3)
+    assert ReplicaPlan.from_settings(Settings.of(replicas="auto", min_replicas=2, max_replicas=5)) == ReplicaPlan(None, 2, 5)
     for bad in ("0", "two", "-1"):
         with pytest.raises(InvalidSetting, match="--replicas"):
-            ReplicaPlan.from_settings(Settings(replicas=bad))
+            ReplicaPlan.from_settings(Settings.of(replicas=bad))
     with pytest.raises(InvalidSetting, match="--min-replicas"):
-        ReplicaPlan.from_settings(Settings(replicas="auto", min_replicas=4, max_replicas=2))
+        ReplicaPlan.from_settings(Settings.of(replicas="auto", min_replicas=4, max_replicas=2))
 
 
 def test_deployment_options():
-    settings = Settings(replicas="auto", min_replicas=1, max_replicas=4, max_num_seqs=16, max_queue=32,
+    settings = Settings.of(replicas="auto", min_replicas=1, max_replicas=4, max_num_seqs=16, max_queue=32,
                         gpus_per_replica=1.0, cpus_per_replica=2.0)
     options = deployment_options(settings, ReplicaPlan.from_settings(settings))
     assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 12}
@@ -83,7 +83,7 @@ def test_deployment_options():
     assert options["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 1.0}
     assert options["max_ongoing_requests"] == 48 and options["max_queued_requests"] == 32
     assert options["request_router_config"]["request_router_class"].endswith(":PrefixAffinityRouter")
-    fixed = Settings(replicas="2", prefix_cache=False)
+    fixed = Settings.of(replicas="2", prefix_cache=False)
     options = deployment_options(fixed, ReplicaPlan.from_settings(fixed))
     assert options["num_replicas"] == 2 and "autoscaling_config" not in options
     assert "request_router_config" not in options  # no cache, nothing to be near: Ray's default router

@@ -203,7 +203,7 @@ def tiny_executor(tmp_path_factory):
     d = tmp_path_factory.mktemp("device-sampling")
     path = write_tiny_gguf(d / "tiny.gguf")
     config = ModelConfig.from_gguf(gguf.GGUFReader(path))
-    options = ExecutorOptions(
+    options = ExecutorOptions.of(
         max_num_seqs=8, max_total_tokens=2048, prefill_chunk_size=128, cache_dir=d / "cache"
     )
     executor = create_executor(ModelFile(path, config), options)

@@ -73,7 +73,7 @@ def test_family_agrees_with_llama_cpp(name, tmp_path, compile_cache):
     prompt = prompt_ids(name)
     assert prompt == golden["prompt_ids"]
     config = ModelConfig.from_gguf(GGUFMetadata(path))
-    options = ExecutorOptions(
+    options = ExecutorOptions.of(
         max_num_seqs=1,
         max_total_tokens=len(prompt) + 64,
         prefill_chunk_size=512,

@@ -31,7 +31,7 @@ def executor(smollm2_path, smollm2_reader):
     from lockgate.plugins.tvm.executor import create_executor
 
     config = ModelConfig.from_gguf(smollm2_reader)
-    options = ExecutorOptions(
+    options = ExecutorOptions.of(
         max_num_seqs=4,
         max_total_tokens=1024,
         prefill_chunk_size=64,

@@ -150,7 +150,7 @@ def test_q4_k_m_runs_packed_and_exact(q4_k_m_file, tmp_path):
 
     path = q4_k_m_file
     config = ModelConfig.from_gguf(GGUFMetadata(path))
-    options = ExecutorOptions(
+    options = ExecutorOptions.of(
         max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=tmp_path / "cache",
         exact_matmul=True,
     )
@@ -193,7 +193,7 @@ def test_q4_k_m_runs_on_8_bit_activations(q4_k_m_file, tmp_path):
 
     path = q4_k_m_file
     config = ModelConfig.from_gguf(GGUFMetadata(path))
-    options = ExecutorOptions(
+    options = ExecutorOptions.of(
         max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=tmp_path / "cache"
     )
     ex = create_executor(ModelFile(path, config), options)

@@ -60,7 +60,7 @@ def make_executor(path: pathlib.Path, cache: pathlib.Path, **options):
     config = ModelConfig.from_gguf(gguf.GGUFReader(path))
     opts = {"max_num_seqs": 4, "max_total_tokens": 1024, "prefill_chunk_size": 64}
     opts.update(options)
-    return create_executor(ModelFile(path, config), ExecutorOptions(cache_dir=cache, **opts))
+    return create_executor(ModelFile(path, config), ExecutorOptions.of(cache_dir=cache, **opts))
 
 
 @pytest.fixture(scope="module")
@@ -453,7 +453,7 @@ def test_a_load_parses_the_gguf_header_once(tiny_gguf, compile_cache, monkeypatc
         return parse(buf)
 
     monkeypatch.setattr(gguf_metadata, "_parse", counted)
-    options = ExecutorOptions(max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=compile_cache)
+    options = ExecutorOptions.of(max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=compile_cache)
     model = load_model(get_plugin_manager(autoload=False), str(tiny_gguf), executor_options=options)
     model.executor.close()
     assert len(parses) == 1
