@@ -272,10 +272,6 @@ class MessagesRequest(ChatRequest):
     #: `thinking` switched on (True) or off (False); None: the template's default
     thinking: bool | None = param(None, read_thinking)
 
-    @property
-    def is_chat(self) -> bool:
-        return True
-
     def _tool_result_param(self, index: int) -> str:
         return "messages"  # turns were split into messages: name the field
 

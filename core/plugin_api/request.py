@@ -112,7 +112,9 @@ class GenerationRequest:
 
     @property
     def is_chat(self) -> bool:
-        return self.endpoint == CHAT_ENDPOINT
+        """Whether the prompt is a conversation rendered by the chat template
+        (chat, and the Responses and Messages requests typed as chat)."""
+        return False
 
     @property
     def completion_limit(self) -> int | None:
@@ -211,6 +213,10 @@ class ChatRequest(GenerationRequest):
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def is_chat(self) -> bool:
+        return True
 
     @property
     def offered_tools(self) -> tuple[Tool, ...]:

@@ -205,7 +205,7 @@ class ResponsesRequest(ChatRequest):
     messages: tuple[Message, ...] = param((), read_input, key="input", required=True)
     max_tokens: int | None = param(None, integer(1), key="max_output_tokens")
     tools: tuple[Tool, ...] = param((), read_responses_tools)
-    tool_choice: str | None = param(None, read_responses_tool_choice)
+    tool_choice: ToolChoice | None = param(None, read_responses_tool_choice)
     response_format: OutputFormat | None = param(None, read_text, key="text")
     # chat fields a Responses body does not have (no reader: never read)
     n: int = param(1)
@@ -216,7 +216,7 @@ class ResponsesRequest(ChatRequest):
     skip_special_tokens: bool = param(True)
     stop_token_ids: tuple[int, ...] = param(())
     functions: tuple[Tool, ...] = param(())
-    function_call: str | None = param(None)
+    function_call: ToolChoice | None = param(None)
     prompt_logprobs: int | None = param(None)
     chat_template_kwargs: Mapping[str, Any] = param({})
     # the Responses API's own
@@ -229,10 +229,6 @@ class ResponsesRequest(ChatRequest):
     history: tuple[Message, ...] = ()
     #: the messages this request's `input` added
     input_messages: tuple[Message, ...] = ()
-
-    @property
-    def is_chat(self) -> bool:
-        return True
 
     def _tool_result_param(self, index: int) -> str:
         # messages are instructions, history, then input: name the input item
