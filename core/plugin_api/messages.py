@@ -177,7 +177,7 @@ def read_anthropic_tool_choice(value: Any, where: str) -> ToolChoice:
     kind = choice.get("type")
     if kind == "tool":
         return ToolChoice.function(string(choice.get("name"), f"{where}.name"))
-    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
     if mapped is None:
         raise InvalidRequestError(f"{where}.type must be auto, any, tool or none, got {kind!r}",
                                   param=f"{where}.type")

@@ -108,7 +108,7 @@ async def _stream(request: web.Request, handles: list[Handle], builder: MessageB
     """Anthropic's event sequence: `message_start`, `ping`, each content
     block's `content_block_start`, deltas (`thinking_delta`, `text_delta`, a
     tool's `input_json_delta`) and `content_block_stop`, then
-    `message_delta` (stop reason, output tokens) and `message_stop`."""
+    `message_delta` (stop reason, the whole usage) and `message_stop`."""
 
     async def emit(response: web.StreamResponse, kind: str, **fields) -> None:
         await write_event(request, response, json.dumps({"type": kind, **fields}, ensure_ascii=False), event=kind)
@@ -159,9 +159,11 @@ async def _stream(request: web.Request, handles: list[Handle], builder: MessageB
                        delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
             await emit(response, "content_block_stop", index=index)
             index += 1
+        # the whole usage, as Anthropic sends it: the prefix cache's share of
+        # the prompt is known only once the prompt was admitted
         await emit(response, "message_delta",
                    delta={"stop_reason": _stop_reason(finish_reason, stop_string, calls), "stop_sequence": stop_string},
-                   usage={"output_tokens": total_usage(handles).completion_tokens})
+                   usage=builder.usage(total_usage(handles)))
         await emit(response, "message_stop")
 
     async def write_error(response: web.StreamResponse, answer: ErrorResponse) -> None:

@@ -90,8 +90,11 @@ def test_default_plugins_are_registered_like_any_plugin():
     described = {p["name"]: p["hooks"] for p in describe_plugins(pm)}
     assert described["validate"] == ["lockgate_validate_request"]
     assert described["tvm"] == [
-        "lockgate_register_executors", "lockgate_register_model_families", "lockgate_serving_process"]
-    assert described["engines"] == described["ray"] == ["lockgate_register_engines"]
+        "lockgate_add_settings", "lockgate_register_executors", "lockgate_register_model_families",
+        "lockgate_serving_process"]
+    assert described["engines"] == ["lockgate_register_engines"]
+    assert described["ray"] == ["lockgate_add_settings", "lockgate_register_engines"]
+    assert described["reasoning_formats"] == ["lockgate_register_reasoning_formats"]
 
 
 def names_registered(pm) -> set[str]:
