@@ -18,7 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import ClassVar
 
-from lockgate.plugin_api.tool_calls import partial_suffix
+from lockgate.plugin_api.tool_calls import choose_format, partial_suffix
 
 
 @dataclasses.dataclass
@@ -119,11 +119,6 @@ class ReasoningReader:
         #: the answer's leading white space is dropped
         self.answer_started = False
 
-    @property
-    def thinking(self) -> bool:
-        """Whether the output is (or may still be) in its thinking."""
-        return self.state != self.ANSWER
-
     def feed(self, piece: str) -> Split:
         """Take more output; return what of each part can go out now."""
         self.held += piece
@@ -202,13 +197,4 @@ def choose_reasoning_format(
     """
     if name == "none":
         return None
-    if name is not None:
-        for fmt in formats:
-            if fmt.name == name:
-                return fmt()
-        known = ", ".join(["none", *(f.name for f in formats)])
-        raise ValueError(f"no reasoning format named {name!r}; registered: {known}")
-    for fmt in formats:
-        if fmt.fits(chat_template):
-            return fmt()
-    return None
+    return choose_format(formats, name, chat_template, kind="reasoning", also=("none",))

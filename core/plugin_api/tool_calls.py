@@ -315,12 +315,24 @@ def choose_tool_call_format(
 
     :raises ValueError: naming a format nobody registered.
     """
+    return choose_format(formats, name, chat_template, kind="tool-call")
+
+
+def choose_format(formats: Sequence[type], name: str | None, chat_template: str | None, *, kind: str,
+                  also: Sequence[str] = ()):
+    """An output format (a tool-call or a reasoning format class: `name`,
+    `fits(chat_template)`), made: the one named, else the first of
+    `formats` that fits the template; None when none does.
+
+    :raises ValueError: naming a format nobody registered (the names listed,
+        with the other names the setting takes, `also`).
+    """
     if name is not None:
         for fmt in formats:
             if fmt.name == name:
                 return fmt()
-        known = ", ".join(f.name for f in formats) or "none"
-        raise ValueError(f"no tool-call format named {name!r}; registered: {known}")
+        known = ", ".join([*also, *(f.name for f in formats)]) or "none"
+        raise ValueError(f"no {kind} format named {name!r}; registered: {known}")
     for fmt in formats:
         if fmt.fits(chat_template):
             return fmt()
