@@ -131,6 +131,23 @@ class FakeExecutor(Executor):
         return np.stack([self._append(s, [t]) for s, t in zip(seq_ids, token_ids)])
 
 
+#: tokens per KV page of a test double served as a model's executor (the TVM executor's length)
+PAGE_SIZE = 16
+
+
+def sizes_for(model_file, options) -> dict:
+    """A `FakeExecutor`'s sizes when it stands in as a model's executor: the
+    model's vocabulary and context, the server's executor options."""
+    return dict(
+        vocab_size=model_file.config.vocab_size,
+        page_size=PAGE_SIZE,
+        total_pages=options.max_total_tokens // PAGE_SIZE,
+        max_num_seqs=options.max_num_seqs,
+        prefill_chunk_size=options.prefill_chunk_size,
+        max_sequence_length=model_file.config.context_length,
+    )
+
+
 def expected_greedy(executor: FakeExecutor, prompt: Sequence[int], max_tokens: int) -> list[int]:
     """What greedy decoding of `prompt` must produce on this executor, worked
     out from its logits alone (no scheduler involved)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fake_executor import FakeExecutor
+from fake_executor import FakeExecutor, sizes_for
 from lockgate import hookimpl
 
 
@@ -43,15 +43,7 @@ def create_scripted_executor(model_file, options) -> ScriptedExecutor:
 
     metadata = model_file.metadata or GGUFMetadata(model_file.path)
     eos = eos_token_ids(metadata, load_tokenizer(metadata))[0]
-    return ScriptedExecutor(
-        eos_token_id=eos,
-        vocab_size=model_file.config.vocab_size,
-        page_size=16,
-        total_pages=options.max_total_tokens // 16,
-        max_num_seqs=options.max_num_seqs,
-        prefill_chunk_size=options.prefill_chunk_size,
-        max_sequence_length=model_file.config.context_length,
-    )
+    return ScriptedExecutor(eos_token_id=eos, **sizes_for(model_file, options))
 
 
 class ScriptedExecutors:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fake_executor import FakeExecutor
+from fake_executor import FakeExecutor, sizes_for
 from lockgate import hookimpl
 
 
@@ -108,10 +108,6 @@ def word_tokens(tokenizer) -> list[int]:
     return words
 
 
-#: tokens per KV page, as the executor reports it (the TVM executor's length)
-PAGE_SIZE = 16
-
-
 def create_zero_cost_executor(model_file, options) -> ZeroCostExecutor:
     """An executor factory (`lockgate.models.executor.ExecutorFactory`):
     sized by the server's executor options, its words read from the
@@ -120,15 +116,7 @@ def create_zero_cost_executor(model_file, options) -> ZeroCostExecutor:
     from lockgate.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_file.metadata or GGUFMetadata(model_file.path))
-    return ZeroCostExecutor(
-        vocab_size=model_file.config.vocab_size,
-        word_tokens=word_tokens(tokenizer),
-        page_size=PAGE_SIZE,
-        total_pages=options.max_total_tokens // PAGE_SIZE,
-        max_num_seqs=options.max_num_seqs,
-        prefill_chunk_size=options.prefill_chunk_size,
-        max_sequence_length=model_file.config.context_length,
-    )
+    return ZeroCostExecutor(word_tokens=word_tokens(tokenizer), **sizes_for(model_file, options))
 
 
 class ZeroCostExecutors:
