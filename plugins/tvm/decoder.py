@@ -14,7 +14,6 @@ gathered column-wise, the token embedding.
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 from tvm import relax as rx
@@ -36,7 +35,7 @@ from lockgate.plugins.tvm.layers import (
     RMSNorm,
     linear,
 )
-from lockgate.plugins.tvm.rope import frequency_factor_rope
+from lockgate.plugins.tvm.rope import rope_kernel
 
 
 def _qk_norm_te(qkv: te.Tensor, wq: te.Tensor, wk: te.Tensor, q_heads: int, eps: float) -> te.Tensor:
@@ -243,7 +242,7 @@ class DecoderForCausalLM(nn.Module):
 
         Llama 3.1's per-frequency divisors go in as the cache's extension
         factors, the same factors for short and long sequences as TVM lays
-        them out, and `rope.frequency_factor_rope` builds the kernel that
+        them out, and `rope.rope_kernel` has the kernel built that
         reads them: frequency i is θ^(-2i/d) / factor[i], as llama.cpp
         computes it from `rope_freqs.weight`. The "longrope" type (no
         attention scaling: maximum length equal to the original) keeps the
@@ -282,8 +281,7 @@ class DecoderForCausalLM(nn.Module):
         page_size,
     ) -> PagedKVCache:
         c = self.config
-        build = frequency_factor_rope() if c.rope_freq_factors else contextlib.nullcontext()
-        with build:
+        with rope_kernel(cpu=self.cpu, factors=c.rope_freq_factors is not None):
             return TIRPagedKVCache(
                 max_batch_size=max_batch_size,
                 max_total_seq_len=max_total_seq_len,

@@ -8,6 +8,12 @@ sixth argument, but TVM 0.27's only kernel that reads them (LongRoPE's)
 fails to parse (it tests a buffer for truth). `frequency_factor_rope` has
 the cache build this kernel instead, which rotates halves (the layout the
 weight loader produces) with the factors the buffer holds.
+
+On the CPU `rope_cpu` replaces both: TVM's kernel computes θ^(2i/d) and the
+angle's cosine and sine for every element of every head (a quarter of a
+default-model prefill went to `powf` and `sincosf`); this one computes each
+token's angles once, with the same expressions (so the same values), and
+rotates all its Q and K heads with them, vectorized over the frequencies.
 """
 
 from __future__ import annotations
@@ -86,15 +92,122 @@ def rope_with_frequency_factors(
     return fused_rope_with_factors
 
 
+def rope_cpu(
+    theta: float,
+    scale: float,
+    head_dim: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    dtype: str,
+    rope_scaling: dict,
+    rotary_dim: int | None = None,
+):
+    """The cache's `tir_split_rotary` kernel for the CPU, with the signature
+    of `llama_rope_with_position_map` (an `apply_rope` flag) or, when
+    `rope_scaling` is the "longrope" the network sets for frequency factors,
+    of `rope_with_frequency_factors` (the `factors` buffer): tokens in
+    parallel, each token's cosines and sines computed once for all its heads.
+    """
+    rotary_dim = rotary_dim or head_dim
+    half = rotary_dim // 2
+    fused_heads = num_q_heads + 2 * num_kv_heads
+    with_factors = rope_scaling.get("rope_type") == "longrope"
+    assert with_factors or not rope_scaling, f"rope_cpu: unsupported RoPE scaling {rope_scaling}"
+
+    def angle(position, i, factors):
+        position = position.astype("float32") * tirx.const(scale, "float32")
+        exponent = (2 * i).astype("float32") / tirx.const(rotary_dim, "float32")
+        if factors is None:  # TVM's `rope_freq_default`, term for term
+            return position / tirx.power(tirx.const(theta, "float32"), exponent)
+        return position / (factors[i] * tirx.power(tirx.const(theta, "float32"), exponent))
+
+    def first(qkv, trig, s, h, i):  # feature i of a head rotated, i < half
+        return trig[0, i] * qkv[s, h, i].astype("float32") + trig[1, i] * (-qkv[s, h, i + half]).astype("float32")
+
+    def second(qkv, trig, s, h, i):  # feature i + half
+        return trig[0, i] * qkv[s, h, i + half].astype("float32") + trig[1, i] * qkv[s, h, i].astype("float32")
+
+    @T.macro
+    def rotate_token(qkv, q, k, v, s, position, factors, rotate):
+        trig = T.sblock_alloc_buffer((2, half), "float32", scope="local")
+        for i in T.serial(half):
+            trig[0, i] = T.cos(angle(position, i, factors))
+            trig[1, i] = T.sin(angle(position, i, factors))
+        for h in T.serial(num_q_heads + num_kv_heads):
+            if rotate > 0:
+                for i in T.vectorized(half):
+                    # (no let-bound temporaries: TVM 0.27's vectorizer gives every lane the last one's)
+                    if h < num_q_heads:
+                        q[s, h, i] = T.Cast(dtype, first(qkv, trig, s, h, i))
+                        q[s, h, i + half] = T.Cast(dtype, second(qkv, trig, s, h, i))
+                    else:
+                        k[s, h - num_q_heads, i] = T.Cast(dtype, first(qkv, trig, s, h, i))
+                        k[s, h - num_q_heads, i + half] = T.Cast(dtype, second(qkv, trig, s, h, i))
+            # what is not rotated is copied: the features past `rotary_dim`, or all with rope off
+            for d in T.serial(T.if_then_else(rotate > 0, rotary_dim, 0), head_dim):
+                if h < num_q_heads:
+                    q[s, h, d] = qkv[s, h, d]
+                else:
+                    k[s, h - num_q_heads, d] = qkv[s, h, d]
+        for h in T.serial(num_kv_heads):
+            for d in T.vectorized(head_dim):
+                v[s, h, d] = qkv[s, num_q_heads + num_kv_heads + h, d]
+
+    def buffers(var_qkv, var_q, var_k, var_v, var_position_map, seq_len, offset):
+        return (
+            T.match_buffer(var_qkv, (seq_len, fused_heads, head_dim), dtype),
+            T.match_buffer(var_q, (seq_len, num_q_heads, head_dim), dtype),
+            T.match_buffer(var_k, (seq_len, num_kv_heads, head_dim), dtype),
+            T.match_buffer(var_v, (seq_len, num_kv_heads, head_dim), dtype),
+            T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=offset),
+        )
+
+    @T.prim_func(s_tir=True)
+    def fused_rope_cpu(
+        var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle, var_v: T.handle,
+        apply_rope: T.int64,
+    ):
+        T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})
+        seq_len = T.int32()
+        offset = T.int32()
+        qkv, q, k, v, position_map = buffers(var_qkv, var_q, var_k, var_v, var_position_map, seq_len, offset)
+        for s in T.parallel(seq_len):
+            with T.sblock("rope"):
+                T.reads(qkv[s, :, :], position_map[s])
+                T.writes(q[s, :, :], k[s, :, :], v[s, :, :])
+                rotate_token(qkv, q, k, v, s, position_map[s], None, apply_rope)
+
+    @T.prim_func(s_tir=True)
+    def fused_rope_cpu_with_factors(
+        var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle, var_v: T.handle,
+        factors: T.Buffer((rotary_dim,), "float32"),  # type: ignore  # noqa: F821
+    ):
+        T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})
+        seq_len = T.int32()
+        offset = T.int32()
+        qkv, q, k, v, position_map = buffers(var_qkv, var_q, var_k, var_v, var_position_map, seq_len, offset)
+        for s in T.parallel(seq_len):
+            with T.sblock("rope"):
+                T.reads(qkv[s, :, :], position_map[s], factors[:])
+                T.writes(q[s, :, :], k[s, :, :], v[s, :, :])
+                rotate_token(qkv, q, k, v, s, position_map[s], factors, T.int64(1))
+
+    return fused_rope_cpu_with_factors if with_factors else fused_rope_cpu
+
+
 @contextlib.contextmanager
-def frequency_factor_rope():
-    """Have a `TIRPagedKVCache` built in the block rotate with
-    `rope_with_frequency_factors` (the cache looks the factory up as a
-    module global when it is constructed)."""
+def rope_kernel(cpu: bool, factors: bool):
+    """Have a `TIRPagedKVCache` built in the block rotate with lockgate's
+    kernel: `rope_cpu` on the CPU, `rope_with_frequency_factors` on CUDA
+    for a model with frequency factors, else TVM's own (the cache looks the
+    factory up as a module global when it is constructed)."""
     from tvm.relax.frontend.nn.llm import kv_cache
 
     original = kv_cache.llama_rope_with_position_map
-    kv_cache.llama_rope_with_position_map = rope_with_frequency_factors
+    if cpu:
+        kv_cache.llama_rope_with_position_map = rope_cpu
+    elif factors:
+        kv_cache.llama_rope_with_position_map = rope_with_frequency_factors
     try:
         yield
     finally:
