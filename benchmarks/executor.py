@@ -483,6 +483,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per engine")
     parser.add_argument("--cache-dir", type=pathlib.Path, default=None)
     parser.add_argument("--no-llama-cpp", action="store_true", help="measure lockgate only")
+    parser.add_argument(
+        "--cpu", default=None,
+        help="compile lockgate for this LLVM CPU (e.g. haswell: AVX2 and FMA, no AVX-512) instead of the host's, "
+        "to measure an AVX2 machine on an AVX-512 one against a llama.cpp built for AVX2 (sets $LOCKGATE_LLVM_CPU)",
+    )
     sweeping = parser.add_argument_group(
         "--sweep: lockgate alone, each figure printed as measured (benchmarks/gpu_check.sh)")
     sweeping.add_argument("--sweep", action="store_true",
@@ -501,6 +506,8 @@ def main() -> None:
     parser.add_argument("--start-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.model = args.model or default_model_path()
+    if args.cpu:  # read where lockgate compiles (its children inherit it)
+        os.environ["LOCKGATE_LLVM_CPU"] = args.cpu
     if args.sweep:
         sweep(args)
         return
@@ -514,7 +521,8 @@ def main() -> None:
         with_llama = not args.no_llama_cpp
     except ImportError:
         with_llama = False
-    print(f"model {args.model.name}, {args.threads} threads, load average before {uptime()}")
+    cpu = f", lockgate compiled for {args.cpu}" if args.cpu else ""
+    print(f"model {args.model.name}, {args.threads} threads{cpu}, load average before {uptime()}")
     engines = ["lockgate", "llama.cpp", "llama.cpp split"] if with_llama else ["lockgate"]
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     starts = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 import pathlib
 import time
 from collections.abc import Callable
@@ -17,7 +18,13 @@ from tvm.target import Target
 
 from lockgate.models.config import ModelConfig
 from lockgate.plugins.tvm.compile_cache import cache_key as _library_key
-from lockgate.plugins.tvm.compile_cache import MODEL_SOURCES, CompiledModel, default_cache_dir, write_atomically
+from lockgate.plugins.tvm.compile_cache import (
+    LLVM_CPU_VARIABLE,
+    MODEL_SOURCES,
+    CompiledModel,
+    default_cache_dir,
+    write_atomically,
+)
 from lockgate.plugins.tvm.pipelines import cpu_pipeline, cuda_pipeline
 from lockgate.plugins.tvm.schedules import tensorize_works
 
@@ -25,12 +32,15 @@ from lockgate.plugins.tvm.schedules import tensorize_works
 def resolve_target(name: str) -> Target:
     """Turn `ExecutorOptions.target` into a TVM target.
 
-    "auto" picks cuda when a CUDA device is present, else the host CPU.
+    "auto" picks cuda when a CUDA device is present, else the host CPU (or
+    the CPU `$LOCKGATE_LLVM_CPU` names).
     """
     if name == "auto":
         name = "cuda" if tvm.cuda().exist else "llvm"
     if name == "llvm":
-        # A target string with -mcpu is rejected by TVM 0.27; ask the device.
+        cpu = os.environ.get(LLVM_CPU_VARIABLE)
+        if cpu:  # a config dict: a target string with -mcpu is rejected by TVM 0.27
+            return Target({"kind": "llvm", "mcpu": cpu})
         return Target.from_device(tvm.cpu())
     if name == "cuda":
         if not tvm.cuda().exist:

@@ -136,6 +136,13 @@ def target_kind(name: str) -> str:
     return name
 
 
+#: an LLVM CPU name (`haswell`, `znver4`, …) to compile the llvm target for
+#: instead of the host's CPU (`compile.resolve_target`): code for an older
+#: instruction set (AVX2 on an AVX-512 host, as `benchmarks/executor.py
+#: --cpu` measures it), or for a fleet's lowest common CPU
+LLVM_CPU_VARIABLE = "LOCKGATE_LLVM_CPU"
+
+
 def _target_description(kind: str) -> dict:
     """What decides the code TVM generates for `kind` on this machine: the
     CUDA architecture, or the host CPU (LLVM targets its model and
@@ -156,7 +163,10 @@ def _target_description(kind: str) -> dict:
                     break
     except OSError:
         cpu["processor"] = platform.processor()
-    return {"kind": "llvm", "machine": platform.machine(), "cpu": cpu}
+    description = {"kind": "llvm", "machine": platform.machine(), "cpu": cpu}
+    if os.environ.get(LLVM_CPU_VARIABLE):
+        description["llvm_cpu"] = os.environ[LLVM_CPU_VARIABLE]
+    return description
 
 
 def network_name(network) -> str:
