@@ -43,7 +43,7 @@ def main() -> None:
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
 
     import tvm
-    from test_quantized_formats import random_blocks
+    from kquants import random_blocks
     from tvm import te
     from tvm.s_tir import dlight as dl
     from tvm.target import Target
@@ -111,7 +111,7 @@ def stream(args, target, isa: str, build) -> None:
     import time
 
     import tvm
-    from test_quantized_formats import random_blocks
+    from kquants import random_blocks
 
     from lockgate.plugins.tvm import int8_matmul
     from lockgate.plugins.tvm.formats import FORMATS, pack_blocks

@@ -1,5 +1,7 @@
 """A plain quantizer for GGML's K-quant blocks (Q4_K, Q5_K, Q6_K), which
-gguf-py reads but cannot write: tests write small K-quant models with it.
+gguf-py reads but cannot write: tests write small K-quant models with it;
+and random blocks of any packed format (`random_blocks`), for the kernels'
+tests and `benchmarks/int8_kernels.py`.
 
 The rounding is the simple kind (per-sub-block range, then 6- or 8-bit
 sub-scales of one super-block scale), not llama.cpp's searched one; what
@@ -112,3 +114,27 @@ def quantize(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
         raise ValueError(f"K-quant rows must be multiples of 256, not {cols}")
     blocks = _QUANTIZERS[qtype](np.asarray(w, dtype=np.float32).reshape(rows, cols // 256, 256))
     return np.ascontiguousarray(blocks.reshape(rows, -1).astype(np.uint8))
+
+
+#: where each format's float16 fields sit in a block (random bytes there
+#: would make infinities and NaNs, which no real file holds)
+F16_FIELDS = {
+    "q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2],
+    "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208],
+}
+
+
+def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random GGML blocks of `fmt` (a name in lockgate's
+    `formats.FORMATS`) for an (rows, cols) matrix, uint8: every code and
+    bit pattern, finite scales."""
+    from lockgate.plugins.tvm.formats import FORMATS
+
+    spec = FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    _, block_bytes = gguf.GGML_QUANT_SIZES[spec.ggml_type]
+    raw = rng.integers(0, 256, size=(rows, cols // spec.block, block_bytes), dtype=np.uint8)
+    for at in F16_FIELDS[fmt]:
+        scales = rng.uniform(-2, 2, size=(rows, cols // spec.block)).astype(np.float16)
+        raw[..., at : at + 2] = scales[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)

@@ -17,32 +17,13 @@ import pytest
 
 
 import kquants  # noqa: E402
+from kquants import random_blocks  # noqa: E402
 from reference_model import reference_logits  # noqa: E402
 from tiny_model import KQUANT_CONFIG, Q4_K_M, write_tiny_gguf  # noqa: E402
 
 from lockgate.models.config import ModelConfig  # noqa: E402
 from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
 from lockgate.plugins.tvm.formats import FORMATS, pack_blocks, unpack_values  # noqa: E402
-
-#: where each format's float16 fields sit in a block (random bytes there
-#: would make infinities and NaNs, which no real file holds)
-F16_FIELDS = {
-    "q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2],
-    "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208],
-}
-
-
-def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random GGML blocks of `fmt` for an (rows, cols) matrix, uint8."""
-    spec = FORMATS[fmt]
-    rng = np.random.default_rng(seed)
-    _, block_bytes = gguf.GGML_QUANT_SIZES[spec.ggml_type]
-    raw = rng.integers(0, 256, size=(rows, cols // spec.block, block_bytes), dtype=np.uint8)
-    for at in F16_FIELDS[fmt]:
-        scales = rng.uniform(-2, 2, size=(rows, cols // spec.block)).astype(np.float16)
-        raw[..., at : at + 2] = scales[..., None].view(np.uint8)
-    return raw.reshape(rows, -1)
-
 
 def test_every_packed_ggml_type_has_a_format():
     assert sorted(FORMATS) == ["q4_0", "q4_1", "q4_k", "q5_0", "q5_1", "q5_k", "q6_k", "q8_0"]
