@@ -8,8 +8,9 @@ keeps the scale and the block's sums; `packed_matmul` then takes, for 16
 output columns (one weight panel) and four consecutive inputs, the 64 code
 bytes side by side (the word orders `formats.py` documents), and adds their
 products with four activations in one instruction: `vpdpbusd` with AVX-512
-VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2 (two groups of four inputs sharing
-one `vpmaddwd` where their int16 sums fit). Per scale group (32 inputs, 16
+VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2 (the int16 sums of as many groups
+of four inputs as fit, up to a scale group, sharing one `vpmaddwd`:
+`int16_run`). Per scale group (32 inputs, 16
 for Q6_K) the integer sums turn into float32 once:
 
     y += a · dx · Σ q·x8  +  b · dx · Σ x8
@@ -247,31 +248,44 @@ def _dot(isa: str, acc, codes, x4, signed: bool):
     return acc + both
 
 
-def _pairs_fit_int16(isa: str, fmt: str) -> bool:
-    """Whether `_dot_pair` may add two groups' int16 pair sums before they
-    widen: with AVX2 and unsigned codes of at most 6 bits (63 · 127 · 4 <
-    32768); Q8_0's signed codes are 8 bits."""
-    return isa == "avx2" and fmt != "q8_0"
+#: the largest unsigned code of the formats wider than four bits
+_CODE_MAX = {"q5_0": 31, "q5_1": 31, "q5_k": 31, "q6_k": 63}
 
 
-def _dot_pair(acc, codes, x4s):
-    """AVX2: acc plus the products of two groups of four inputs (`codes[h]`
-    times the activations in `x4s[h]`), their int16 pair sums added before
-    one widening `vpmaddwd`: two instructions fewer per row and eight inputs
-    than `_dot` twice (`_pairs_fit_int16` says when)."""
+def int16_run(isa: str, fmt: str) -> int:
+    """AVX2: how many consecutive eights of inputs may add their int16 pair
+    sums (`vpmaddubsw` of the codes and the activations) before one widening
+    `vpmaddwd` into int32 — four products of a code of at most `c` and an
+    activation of at most 127 per eight, so 32767 // (4 · 127 · c) of them,
+    at most a scale group: 4 for 4-bit codes (a whole group of 32), 2 for
+    5-bit, 1 for Q6_K; 0 where the kernels do not (VNNI, and Q8_0's signed
+    codes)."""
+    if isa != "avx2" or fmt == "q8_0":
+        return 0
+    return min(32767 // (4 * 127 * _CODE_MAX.get(fmt, 15)), _GROUP.get(fmt, 32) // 8)
+
+
+def _pair_sums(codes, x4s, h: int):
+    """AVX2: the int16 pair sums of outputs 8h … 8h + 7 for one eight of
+    inputs: the codes of its two groups of four (`codes[g]`, 16 outputs'
+    bytes) times the activations in `x4s[g]`, added."""
+    sums = None
+    for group, x4 in zip(codes, x4s):
+        part = tirx.Shuffle([group], [tirx.const(i, "int32") for i in range(32 * h, 32 * h + 32)])
+        x32 = tirx.reinterpret("int8x32", _bcast(x4, 8))
+        pairs = tirx.call_llvm_pure_intrin(
+            "int16x16", "llvm.x86.avx2.pmadd.ub.sw", tirx.reinterpret("int8x32", part), x32
+        )
+        sums = pairs if sums is None else sums + pairs
+    return sums
+
+
+def _widen(sums16):
+    """AVX2: int16 pair sums of 16 outputs (two int16x16, outputs 0-7 and
+    8-15) added pairwise into int32x16 (`vpmaddwd` by ones)."""
     ones = _bcast(tirx.const(1, "int16"), 16)
-    halves = []
-    for h in range(2):
-        pairs = None
-        for group, x4 in zip(codes, x4s):
-            part = tirx.Shuffle([group], [tirx.const(i, "int32") for i in range(32 * h, 32 * h + 32)])
-            x32 = tirx.reinterpret("int8x32", _bcast(x4, 8))
-            sums = tirx.call_llvm_pure_intrin(
-                "int16x16", "llvm.x86.avx2.pmadd.ub.sw", tirx.reinterpret("int8x32", part), x32
-            )
-            pairs = sums if pairs is None else pairs + sums
-        halves.append(tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", pairs, ones))
-    return acc + tirx.Shuffle(halves, [tirx.const(i, "int32") for i in range(16)])
+    halves = [tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", s, ones) for s in sums16]
+    return tirx.Shuffle(halves, [tirx.const(i, "int32") for i in range(16)])
 
 
 def packed_matmul(
@@ -285,6 +299,7 @@ def packed_matmul(
     group = _GROUP.get(fmt, 32)
     panels = n_extent // LANES
     chains = 2 if row_tile == 1 else 1
+    run = int16_run(isa, fmt)
     rows = tirx.Var("rows", "int64")
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
@@ -305,11 +320,13 @@ def packed_matmul(
                     # accumulators: one chain of 8 dependent dot products
                     # waits on each one's latency when few rows interleave
                     acci = T.alloc_buffer((row_tile * chains * LANES,), "int32", scope="global")
+                    # AVX2: each row's int16 pair sums of outputs 0-7 and 8-15 (`int16_run`)
+                    acc16 = T.alloc_buffer((row_tile * 2 * 16,), "int16", scope="global")
                     row_of = [T.min(tile * row_tile + r, rows - 1) for r in range(row_tile)]
                     for r in range(row_tile):
                         T.buffer_store(accf, _bcast(tirx.const(0.0, "float32"), LANES), [_ramp(r * LANES, LANES)])
                     with T.serial(0, k_extent // group) as g:
-                        for r in range(row_tile * chains):
+                        for r in range(0 if run else row_tile * chains):
                             T.buffer_store(acci, _bcast(tirx.const(0, "int32"), LANES), [_ramp(r * LANES, LANES)])
                         for k8_in in range(group // 8):
                             k8 = g * (group // 8) + k8_in
@@ -321,9 +338,17 @@ def packed_matmul(
                                     tirx.reinterpret("int32", x8[row_of[r], _ramp(k8 * 8 + half * 4, 4)])
                                     for half in range(2)
                                 ]
-                                if _pairs_fit_int16(isa, fmt):
-                                    at = _ramp((r * chains + k8_in % chains) * LANES, LANES)
-                                    T.buffer_store(acci, _dot_pair(acci[at], codes, x4s), [at])
+                                if run:  # AVX2: int16 sums over `run` eights, then one widening
+                                    for h in range(2):
+                                        at = _ramp((r * 2 + h) * 16, 16)
+                                        sums = _pair_sums(codes, x4s, h)
+                                        if k8_in % run:
+                                            sums = acc16[at] + sums
+                                        T.buffer_store(acc16, sums, [at])
+                                    if k8_in % run == run - 1:
+                                        at = _ramp(r * chains * LANES, LANES)
+                                        wide = _widen([acc16[_ramp((r * 2 + h) * 16, 16)] for h in range(2)])
+                                        T.buffer_store(acci, wide if k8_in < run else acci[at] + wide, [at])
                                     continue
                                 for half in range(2):
                                     at = _ramp((r * chains + (k8_in * 2 + half) % chains) * LANES, LANES)
@@ -337,7 +362,7 @@ def packed_matmul(
                             else:
                                 sums = s16[row_of[r], g * 2] + s16[row_of[r], g * 2 + 1]
                             sums_i = acci[_ramp(r * chains * LANES, LANES)]
-                            for chain in range(1, chains):
+                            for chain in range(1, 1 if run else chains):
                                 sums_i = sums_i + acci[_ramp((r * chains + chain) * LANES, LANES)]
                             update = a * _bcast(scale, LANES) * _f32(sums_i)
                             if b is not None:

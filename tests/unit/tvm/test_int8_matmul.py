@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_quantized_formats import random_blocks  # noqa: E402
+from kquants import random_blocks  # noqa: E402
 
 import tvm  # noqa: E402
 from tvm.target import Target  # noqa: E402
@@ -113,3 +113,19 @@ def test_kernels_use_the_integer_dot_products(isa, instruction):
     asm = lib.mod.inspect_source("s")
     assert instruction in asm
     assert "vcvtdq2ps" in asm  # the integer sums turn into float once per group
+
+
+def test_the_llvm_cpu_variable_compiles_for_another_instruction_set(monkeypatch):
+    """`$LOCKGATE_LLVM_CPU` names the CPU the llvm target is compiled for
+    (Haswell: the AVX2 kernels, whatever the host), and the compile cache
+    keeps its libraries apart from the host's."""
+    from lockgate.plugins.tvm.compile import resolve_target
+    from lockgate.plugins.tvm.compile_cache import LLVM_CPU_VARIABLE, _target_description
+
+    monkeypatch.delenv(LLVM_CPU_VARIABLE, raising=False)
+    host = _target_description("llvm")
+    monkeypatch.setenv(LLVM_CPU_VARIABLE, "haswell")
+    target = resolve_target("llvm")
+    assert str(target.attrs["mcpu"]) == "haswell"
+    assert int8_matmul.int8_isa(target) == "avx2"
+    assert _target_description("llvm") == {**host, "llvm_cpu": "haswell"}
