@@ -17,7 +17,7 @@ in float32, into a workspace (`_transpose_keys`: the chunk's own keys, or
 the listed pages), so a block's 16 scores for a query are the lanes of one
 vector, built by one multiply-add per feature, with no horizontal sums;
 four queries of one head share each load of keys and values, and the
-exponentials are a vectorized polynomial (`_exp2`) rather than a libm call
+exponentials are a vectorized polynomial (`exp2_approx`) rather than a libm call
 per score. (Head, query tile) pairs run in parallel, heads outermost, so
 each thread gets whole heads and the causal triangle's work splits evenly.
 A default-model layer's 256-token prefill went from 2.1 to 1.1 ms on two
@@ -120,12 +120,13 @@ def _attend(q, row, h, group_size, first, visible, block_len, block_at, key, val
         lse[row, h] = T.float32(_NO_SCORE)
 
 
-def _exp2(x):
-    """2**x in float32 for x <= 0, vectorizable (LLVM turns `T.exp2` of a
-    vector into a call per lane): 2**floor(x) from the exponent bits times a
-    degree-6 polynomial for the fraction (relative error 1e-7, float32's
-    rounding); below -126 it is 0, as float32's exp2 nearly is."""
-    clamped = T.max(x, T.float32(-127.0))
+def exp2_approx(x):
+    """2**x in float32, as an expression that vectorizes (LLVM turns
+    `T.exp2` or `T.exp` of a vector into a libm call per lane): 2**floor(x)
+    from the exponent bits times a degree-6 polynomial for the fraction
+    (relative error 1e-7, float32's rounding); below -126 it is 0, as
+    float32's exp2 nearly is, and above 126 it stays at 2**126."""
+    clamped = T.min(T.max(x, T.float32(-127.0)), T.float32(126.0))
     whole = T.floor(clamped)
     fraction = clamped - whole
     poly = T.float32(_EXP2_POLY[-1])
@@ -208,12 +209,12 @@ def _attend_tile(q, q_base, row0, rows, h, group_size, first_of, end_of, keys_t,
                         p * _KEY_BLOCK + j >= seen[r, 0] and p * _KEY_BLOCK + j < seen[r, 1], s[r, j], T.float32(_NO_SCORE)
                     )
                 top: T.let[T.float32] = T.max(state[r, 0], _max16(s, r))
-                rescale: T.let[T.float32] = _exp2(state[r, 0] - top)
+                rescale: T.let[T.float32] = exp2_approx(state[r, 0] - top)
                 for i in T.vectorized(output.shape[2]):
                     acc[r, i] = acc[r, i] * rescale
                 state[r, 0] = top
                 for j in T.vectorized(_KEY_BLOCK):
-                    s[r, j] = _exp2(s[r, j] - top)
+                    s[r, j] = exp2_approx(s[r, j] - top)
                 state[r, 1] = state[r, 1] * rescale + _sum16(s, r)
             else:
                 for j in T.vectorized(_KEY_BLOCK):
