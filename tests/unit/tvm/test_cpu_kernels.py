@@ -1,7 +1,8 @@
 """The CPU kernels lockgate has the KV cache build in place of TVM's:
 RoPE (`rope.rope_cpu`) against TVM's own kernels, value for value, and the
 tiled prefill attention (`kernels.py`, ragged and paged, causal and
-sliding-window) against float64 softmax attention; the model-level checks
+sliding-window) against float64 softmax attention, and their vectorized
+exp2 (`kernels.exp2_approx`, which SiLU uses too); the model-level checks
 (`test_tvm_executor`, the goldens) run them inside whole models."""
 
 from __future__ import annotations
@@ -164,3 +165,22 @@ def test_paged_prefill_attention_against_float64(window):
     want_out, want_lse = _reference(q, keys, values, visible, scale)
     np.testing.assert_allclose(out.numpy(), want_out, atol=2e-3)
     np.testing.assert_allclose(lse.numpy(), want_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_exp2_approx_is_float32_accurate():
+    """The vectorized 2**x of the attention kernels and the CPU's SiLU:
+    within 2.5e-7 of float64's, exactly 0 below -126, 2**126 above it."""
+    from tvm import te
+
+    x = np.concatenate([np.linspace(-130, 130, 100_001), [-126.5, -1e9, 0.0, 1e-30, 200.0]]).astype(np.float32)
+    inp = te.placeholder((len(x),), "float32", name="x")
+    out = te.compute(inp.shape, lambda i: kernels.exp2_approx(inp[i]), name="y")
+    func = te.create_prim_func([inp, out])
+    got = _tensor(np.zeros_like(x))
+    _compile(func, "exp2")["exp2"](_tensor(x), got)
+    got = got.numpy().astype(np.float64)
+    want = np.exp2(np.clip(x.astype(np.float64), None, 126.0))
+    inside = (x > -126) & (x <= 126)
+    np.testing.assert_allclose(got[inside], want[inside], rtol=2.5e-7)
+    assert (got[x <= -126] == 0).all()
+    assert (got[x > 126] == 2.0**126).all()
