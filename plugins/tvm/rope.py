@@ -5,7 +5,7 @@ divisor per rotated frequency, so frequency i is θ^(-2i/d) / factor[i]
 (llama.cpp's `freq_factors`). TVM's KV cache takes such factors as its
 `rope_ext_factors` buffer and hands them to its rotation kernel as the
 sixth argument, but TVM 0.27's only kernel that reads them (LongRoPE's)
-fails to parse (it tests a buffer for truth). `frequency_factor_rope` has
+fails to parse (it tests a buffer for truth). `rope_kernel` has
 the cache build this kernel instead, which rotates halves (the layout the
 weight loader produces) with the factors the buffer holds.
 
