@@ -17,6 +17,7 @@ top-p cut left out), so it can fail.
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
 
 import numpy as np
@@ -236,3 +237,35 @@ def test_seeded_rows_do_not_depend_on_batch_mates(fields, vocab):
     assert generate(17, 40) == alone
     assert generate(39, 40) == alone
     assert generate(3, 5) == alone
+
+
+# rows without a usable distribution ---------------------------------------
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_rows_with_no_finite_mass_still_get_a_token_in_the_vocabulary(top_p):
+    """A row whose every logit is -inf or nan, or so large that exp
+    overflows, beside an ordinary row: each gets a token id inside the
+    vocabulary (the large row its likeliest token, as the shift by its
+    maximum leaves it), the ordinary row its usual draw, and numpy warns
+    of nothing."""
+    vocab = 1000
+    ordinary = _logits(vocab, 14)
+    logits = np.stack([
+        np.full(vocab, -np.inf, dtype=np.float32),
+        np.full(vocab, np.nan, dtype=np.float32),
+        _logits(vocab, 15) * 50.0 + 200.0,
+        ordinary,
+    ]).astype(np.float32)
+    params = SamplingParams(seed=9, temperature=0.01, top_p=top_p)
+
+    def rows():
+        return [SamplingRow(params, make_generator(params, 0)) for _ in range(4)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tokens, _ = sample_batch(logits, rows())
+    assert ((tokens >= 0) & (tokens < vocab)).all()
+    assert tokens[2] == int(np.argmax(logits[2]))
+    alone, _ = sample_batch(logits[3:], rows()[:1])
+    assert tokens[3] == alone[0]
