@@ -75,15 +75,17 @@ def main() -> None:
         stream(args, target, isa, build)
         return
     print(f"{isa}, {k} x {n}, {args.threads} thread(s); microseconds per call")
-    print(f"| format | rows | float32 | int8 (with rounding x) | ratio |")
+    print("| format | rows | float32 | int8 (with rounding x) | ratio |")
     print("|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         x = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
-        quantize = build(int8_matmul.quantize_activations(k))
-        xs = [tvm.runtime.tensor(x, dev), tvm.runtime.empty((rows, k), "int8", dev),
-              tvm.runtime.empty((rows, k // 32), "float32", dev), tvm.runtime.empty((rows, k // 16), "float32", dev)]
-        t_quantize = timed(quantize, xs)
         for fmt in args.formats.split(","):
+            block, group = int8_matmul.activation_layout(fmt, isa)
+            quantize = build(int8_matmul.quantize_activations(k, block, group))
+            xs = [tvm.runtime.tensor(x, dev), tvm.runtime.empty((rows, k), "int8", dev),
+                  tvm.runtime.empty((rows, k // block), "float32", dev),
+                  tvm.runtime.empty((rows, k // group), "float32", dev)]
+            t_quantize = timed(quantize, xs)
             parts = pack_blocks(random_blocks(fmt, n, k), n, k, fmt)
             spec = FORMATS[fmt]
             # float32: the schedule and panels of `layers.Linear` without int8
@@ -97,7 +99,7 @@ def main() -> None:
             t_float = timed(lib, [tvm.runtime.tensor(x[None], dev), *[tvm.runtime.tensor(a, dev) for a in wide],
                                   tvm.runtime.empty((1, rows, n), "float32", dev)])
             # int8: 16-wide panels, a tile of rows as the layer picks it
-            tile = int8_row_tile(isa, 1 if rows == 1 else PREFILL_ROW_TILE)
+            tile = int8_row_tile(isa, 1 if rows == 1 else PREFILL_ROW_TILE, fmt)
             narrow = [np.ascontiguousarray(to_panels(parts[p.name].T, int8_matmul.LANES)) for p in spec.parts]
             lib = build(int8_matmul.packed_matmul(fmt, k, n, tile, isa))
             t_int8 = timed(lib, [*xs[1:], *[tvm.runtime.tensor(a, dev) for a in narrow],
@@ -119,14 +121,15 @@ def stream(args, target, isa: str, build) -> None:
 
     dev, k, n = tvm.cpu(), args.k, args.n
     x = np.random.default_rng(0).standard_normal((1, k)).astype(np.float32)
-    xs = [tvm.runtime.tensor(x, dev), tvm.runtime.empty((1, k), "int8", dev),
-          tvm.runtime.empty((1, k // 32), "float32", dev), tvm.runtime.empty((1, k // 16), "float32", dev)]
-    build(int8_matmul.quantize_activations(k))["main"](*xs)
     y = tvm.runtime.empty((1, n), "float32", dev)
     print(f"{isa}, {k} x {n}, batch 1 from memory, {args.threads} thread(s); weight GB/s, median of 8 rounds")
     print(f"| format | MB | no prefetch | prefetch {int8_matmul.PREFETCH_LINES} lines | ratio |")
     print("|---|---|---|---|---|")
     for fmt in args.formats.split(","):
+        block, group = int8_matmul.activation_layout(fmt, isa)
+        xs = [tvm.runtime.tensor(x, dev), tvm.runtime.empty((1, k), "int8", dev),
+              tvm.runtime.empty((1, k // block), "float32", dev), tvm.runtime.empty((1, k // group), "float32", dev)]
+        build(int8_matmul.quantize_activations(k, block, group))["main"](*xs)
         parts = pack_blocks(random_blocks(fmt, n, k), n, k, fmt)
         panels = [np.ascontiguousarray(to_panels(parts[p.name].T, int8_matmul.LANES)) for p in FORMATS[fmt].parts]
         nbytes = sum(a.nbytes for a in panels)

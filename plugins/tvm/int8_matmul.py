@@ -4,19 +4,24 @@ A packed linear (`formats.FORMATS`) on the CPU multiplies integer codes by
 8-bit activations, as llama.cpp does, instead of dequantizing every weight
 to float32: `quantize_activations` cuts each row of x into blocks of 32,
 scales each block by its largest magnitude into int8 (round to nearest) and
-keeps the scale and the block's sums; `packed_matmul` then takes, for 16
-output columns (one weight panel) and four consecutive inputs, the 64 code
-bytes side by side (the word orders `formats.py` documents), and adds their
-products with four activations in one instruction: `vpdpbusd` with AVX-512
-VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2 (the int16 sums of as many groups
-of four inputs as fit, up to a scale group, sharing one `vpmaddwd`:
-`int16_run`). Per scale group (32 inputs, 16
-for Q6_K) the integer sums turn into float32 once:
+keeps the scale and each scale group's sum; `packed_matmul` then takes, for
+16 output columns (one weight panel) and four consecutive inputs, the 64
+code bytes side by side (the word orders `formats.py` documents), and adds
+their products with four activations in one instruction: `vpdpbusd` with
+AVX-512 VNNI, `vpmaddubsw` + `vpmaddwd` with AVX2 (the int16 sums of as
+many groups of four inputs as fit, up to a scale group, sharing one
+`vpmaddwd`: `int16_run`). Per scale group (32 inputs, 16 for Q6_K) the
+integer sums turn into float32 once:
 
     y += a · dx · Σ q·x8  +  b · dx · Σ x8
 
 where a and b are the group's scale and offset (Q4_0: d and −8d; Q4_1: d
 and m; a K-quant: d·sc and −dmin·m; …) and dx the activations' block scale.
+A K-quant in AVX2 code takes one activation scale per super-block of 256
+instead (`activation_block`, llama.cpp's Q8_K): its integer sub-scale sc
+multiplies the int16 sums in the `vpmaddwd` that widens them, and the
+super-block's int32 total turns into float32 once, times d · dx; only the
+offsets stay in float per group.
 The result differs from the exact product by the activations' rounding
 (about 0.4 % of a block's largest value), as llama.cpp's does; the float32
 path (`layers.Linear` with `int8=None`) stays exact.
@@ -39,8 +44,8 @@ from lockgate.plugins.tvm.formats import FORMATS
 #: output columns per weight panel: one 512-bit vector of int32 sums
 LANES = 16
 
-#: rows computed together in prefill and in batched decode, by instruction set
-#: (AVX-512 has 32 vector registers, AVX2 16)
+#: rows computed together in prefill, by instruction set (AVX-512 has 32
+#: vector registers, AVX2 16); see `row_tile`
 ROW_TILE = {"avx512vnni": 8, "avx2": 4}
 
 #: the scale group: inputs sharing one scale and offset
@@ -105,36 +110,45 @@ def _reduce(combine, vec, lanes: int):
     return vec
 
 
-def quantize_activations(k_extent: int) -> tirx.PrimFunc:
-    """x (rows, k) float32 -> x8 (rows, k) int8, dx (rows, k / 32) the
-    blocks' scales, s16 (rows, k / 16) each 16 inputs' sum of x8 times dx.
-    A block is one 32-lane vector: its largest magnitude and sums are folded
-    from it in registers."""
+def quantize_activations(k_extent: int, block: int = 32, group: int = 32) -> tirx.PrimFunc:
+    """x (rows, k) float32 -> x8 (rows, k) int8, dx (rows, k / block) the
+    blocks' scales, sums (rows, k / group) each scale group's sum of x8
+    times dx (`activation_layout` gives a format's block and group). A block
+    of 32 is one vector, its largest magnitude and sums folded from it in
+    registers; a block of 256 eight of them."""
     rows = tirx.Var("rows", "int64")
+    vectors = block // 32
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             x = T.arg("x", T.buffer((rows, k_extent), "float32"))
             x8 = T.arg("x8", T.buffer((rows, k_extent), "int8"))
-            dx = T.arg("dx", T.buffer((rows, k_extent // 32), "float32"))
-            s16 = T.arg("s16", T.buffer((rows, k_extent // 16), "float32"))
+            dx = T.arg("dx", T.buffer((rows, k_extent // block), "float32"))
+            sums = T.arg("sums", T.buffer((rows, k_extent // group), "float32"))
             with T.sblock("root"), T.parallel(0, rows) as r:
-                with T.serial(0, k_extent // 32) as b:
-                    block = x[r, _ramp(b * 32, 32)]
-                    amax = _reduce(T.max, T.abs(block), 32)
+                with T.serial(0, k_extent // block) as b:
+                    # the block's largest magnitude, held once for its uses below
+                    held = T.alloc_buffer((1,), "float32", scope="global")
+                    magnitude = T.abs(x[r, _ramp(b * block, 32)])
+                    for v in range(1, vectors):
+                        magnitude = T.max(magnitude, T.abs(x[r, _ramp(b * block + v * 32, 32)]))
+                    T.buffer_store(held, _reduce(T.max, magnitude, 32), [0])
+                    amax = held[0]
                     inverse = T.Select(
                         amax > tirx.const(0.0, "float32"),
                         tirx.const(127.0, "float32") / amax,
                         tirx.const(0.0, "float32"),
                     )
-                    codes = tirx.Cast("int32x32", T.round(block * _bcast(inverse, 32)))
-                    T.buffer_store(x8, tirx.Cast("int8x32", codes), [r, _ramp(b * 32, 32)])
                     scale = amax / tirx.const(127.0, "float32")
                     T.buffer_store(dx, scale, [r, b])
-                    lo, hi, _ = _halves(codes, 32)
-                    for h, half in enumerate((lo, hi)):
-                        total = _reduce(lambda a, c: a + c, half, 16)
-                        T.buffer_store(s16, scale * total.astype("float32"), [r, b * 2 + h])
+                    for v in range(vectors):
+                        at = b * block + v * 32
+                        codes = tirx.Cast("int32x32", T.round(x[r, _ramp(at, 32)] * _bcast(inverse, 32)))
+                        T.buffer_store(x8, tirx.Cast("int8x32", codes), [r, _ramp(at, 32)])
+                        parts = [codes] if group == 32 else _halves(codes, 32)[:2]
+                        for h, part in enumerate(parts):
+                            total = _reduce(lambda a, c: a + c, part, group)
+                            T.buffer_store(sums, scale * total.astype("float32"), [r, at // group + h])
     return ib.get()
 
 
@@ -198,6 +212,19 @@ class _Weights:
                 line = T.address_of(self.parts[part.name][self.p, at + lines, 0])
                 out.append(tirx.call_llvm_intrin("void", "llvm.prefetch.p0", line, 0, 3, 1))
         return out
+
+    def scale_pairs(self, g) -> list[tirx.PrimExpr]:
+        """A K-quant group g's integer sub-scales as the int16 factors of a
+        widening `vpmaddwd` (`_widen`): each output's scale twice, for
+        outputs 0-7 and 8-15."""
+        scales = tirx.Cast("int16x16", self._words("sub_scales", g))
+        return [
+            tirx.Shuffle([scales], [tirx.const(8 * h + i // 2, "int32") for i in range(16)]) for h in range(2)
+        ]
+
+    def super_scale(self, block) -> tirx.PrimExpr:
+        """A K-quant super-block's float scale d (float32x16)."""
+        return _f32(self._words("super_scales", block))
 
     def scale_and_offset(self, g) -> tuple[tirx.PrimExpr, tirx.PrimExpr | None]:
         """Group g's scale a and offset b (float32x16; b None when zero)."""
@@ -280,33 +307,75 @@ def _pair_sums(codes, x4s, h: int):
     return sums
 
 
-def _widen(sums16):
+def _widen(sums16, factors=None):
     """AVX2: int16 pair sums of 16 outputs (two int16x16, outputs 0-7 and
-    8-15) added pairwise into int32x16 (`vpmaddwd` by ones)."""
+    8-15) added pairwise into int32x16 (`vpmaddwd` by ones, or by each
+    output's integer sub-scale: `factors`, from `_Weights.scale_pairs`)."""
     ones = _bcast(tirx.const(1, "int16"), 16)
-    halves = [tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", s, ones) for s in sums16]
+    factors = factors or [ones, ones]
+    halves = [
+        tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", s, f) for s, f in zip(sums16, factors)
+    ]
     return tirx.Shuffle(halves, [tirx.const(i, "int32") for i in range(16)])
+
+
+#: K-quants: inputs per super-block (one float scale d per output)
+SUPER_BLOCK = 256
+
+
+def activation_layout(fmt: str, isa: str | None) -> tuple[int, int]:
+    """`quantize_activations`' block and group for `fmt`'s kernel on `isa`:
+    inputs per activation scale (`activation_block`) and per sum (the
+    format's scale group, whose offset multiplies it)."""
+    return activation_block(fmt, isa), _GROUP.get(fmt, 32)
+
+
+def activation_block(fmt: str, isa: str | None) -> int:
+    """Inputs per activation scale in `fmt`'s kernel on `isa`: with AVX2 a
+    K-quant's super-block of 256, as llama.cpp's Q8_K, so the kernel folds
+    the integer sub-scales into its widening `vpmaddwd` and turns the sums
+    into float32 once per super-block rather than per group; otherwise 32."""
+    if fmt in ("q4_k", "q5_k", "q6_k") and int16_run(isa, fmt):
+        return SUPER_BLOCK
+    return 32
+
+
+def row_tile(isa: str, fmt: str) -> int:
+    """The rows a prefill kernel computes together: `ROW_TILE`, except 8
+    for a K-quant in AVX2 code, whose sub-scales folded into the integer
+    sums (`activation_block`) leave no float work per group: its codes then
+    unpack once for 8 rows, for a few spills (on 64 rows measured 4 % faster
+    for Q4_K, 13 % Q6_K, 16 % Q5_K, where Q4_0 and Q4_1 lose 4 %)."""
+    if activation_block(fmt, isa) == SUPER_BLOCK:
+        return 8
+    return ROW_TILE[isa]
 
 
 def packed_matmul(
     fmt: str, k_extent: int, n_extent: int, row_tile: int, isa: str, prefetch_lines: int = PREFETCH_LINES
 ) -> tirx.PrimFunc:
     """y (rows, n) = x @ W for a paneled weight of packed format `fmt`,
-    from `quantize_activations`' outputs; `row_tile` rows share each
-    unpacked panel of codes; the weight streams are prefetched
-    `prefetch_lines` ahead (0: not at all)."""
+    from `quantize_activations`' outputs laid out by
+    `activation_layout(fmt, isa)`; `row_tile` rows share each unpacked panel
+    of codes; the weight streams are prefetched `prefetch_lines` ahead (0:
+    not at all). With a super-block per activation scale, the groups'
+    integer sums are scaled by their sub-scales as they widen, added over
+    the super-block, and turned into float32 once, times d and dx; only
+    the offsets (mins) stay in float per group."""
     spec = FORMATS[fmt]
     group = _GROUP.get(fmt, 32)
+    block = activation_block(fmt, isa)
+    fold = block == SUPER_BLOCK
     panels = n_extent // LANES
-    chains = 2 if row_tile == 1 else 1
     run = int16_run(isa, fmt)
+    chains = 2 if row_tile == 1 and not run else 1
     rows = tirx.Var("rows", "int64")
     with IRBuilder() as ib:
         with T.prim_func(s_tir=True):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             x8 = T.arg("x8", T.buffer((rows, k_extent), "int8"))
-            dx = T.arg("dx", T.buffer((rows, k_extent // 32), "float32"))
-            s16 = T.arg("s16", T.buffer((rows, k_extent // 16), "float32"))
+            dx = T.arg("dx", T.buffer((rows, k_extent // block), "float32"))
+            sums = T.arg("sums", T.buffer((rows, k_extent // group), "float32"))
             parts = {
                 part.name: T.arg(part.name, T.buffer((panels, k_extent // part.per, LANES), part.dtype))
                 for part in spec.parts
@@ -323,11 +392,16 @@ def packed_matmul(
                     # AVX2: each row's int16 pair sums of outputs 0-7 and 8-15 (`int16_run`)
                     acc16 = T.alloc_buffer((row_tile * 2 * 16,), "int16", scope="global")
                     row_of = [T.min(tile * row_tile + r, rows - 1) for r in range(row_tile)]
-                    for r in range(row_tile):
-                        T.buffer_store(accf, _bcast(tirx.const(0.0, "float32"), LANES), [_ramp(r * LANES, LANES)])
-                    with T.serial(0, k_extent // group) as g:
-                        for r in range(0 if run else row_tile * chains):
-                            T.buffer_store(acci, _bcast(tirx.const(0, "int32"), LANES), [_ramp(r * LANES, LANES)])
+
+                    def zero(buffer, count: int, dtype: str) -> None:
+                        for r in range(count):
+                            T.buffer_store(buffer, _bcast(tirx.const(0, dtype), LANES), [_ramp(r * LANES, LANES)])
+
+                    def integer_sums(g, factors) -> None:
+                        """Group g's integer sums into acci: set, or with
+                        `factors` (its sub-scales) added to."""
+                        if not run:
+                            zero(acci, row_tile * chains, "int32")
                         for k8_in in range(group // 8):
                             k8 = g * (group // 8) + k8_in
                             for prefetch in weights.prefetch(k8, k8_in, prefetch_lines):
@@ -347,28 +421,57 @@ def packed_matmul(
                                         T.buffer_store(acc16, sums, [at])
                                     if k8_in % run == run - 1:
                                         at = _ramp(r * chains * LANES, LANES)
-                                        wide = _widen([acc16[_ramp((r * 2 + h) * 16, 16)] for h in range(2)])
-                                        T.buffer_store(acci, wide if k8_in < run else acci[at] + wide, [at])
+                                        wide = _widen([acc16[_ramp((r * 2 + h) * 16, 16)] for h in range(2)], factors)
+                                        first = k8_in < run and not factors
+                                        T.buffer_store(acci, wide if first else acci[at] + wide, [at])
                                     continue
                                 for half in range(2):
                                     at = _ramp((r * chains + (k8_in * 2 + half) % chains) * LANES, LANES)
                                     dot = _dot(isa, acci[at], codes[half], x4s[half], weights.signed)
                                     T.buffer_store(acci, dot, [at])
-                        a, b = weights.scale_and_offset(g)
+
+                    def add_to_rows(update) -> None:
+                        """accf of each row r plus `update(r)` (skipped where None)."""
                         for r in range(row_tile):
-                            scale = dx[row_of[r], g * group // 32]
-                            if group == 16:
-                                sums = s16[row_of[r], g]
-                            else:
-                                sums = s16[row_of[r], g * 2] + s16[row_of[r], g * 2 + 1]
-                            sums_i = acci[_ramp(r * chains * LANES, LANES)]
-                            for chain in range(1, 1 if run else chains):
-                                sums_i = sums_i + acci[_ramp((r * chains + chain) * LANES, LANES)]
-                            update = a * _bcast(scale, LANES) * _f32(sums_i)
-                            if b is not None:
-                                update = update + b * _bcast(sums, LANES)
-                            acc = accf[_ramp(r * LANES, LANES)]
-                            T.buffer_store(accf, acc + update, [_ramp(r * LANES, LANES)])
+                            value = update(r)
+                            if value is not None:
+                                at = _ramp(r * LANES, LANES)
+                                T.buffer_store(accf, accf[at] + value, [at])
+
+                    def offsets(b, g, r):
+                        """Row r's offset term of group g: b times dx times its activations' sum."""
+                        if b is None:
+                            return None
+                        return b * _bcast(sums[row_of[r], g], LANES)
+
+                    def integer_total(r):
+                        total = acci[_ramp(r * chains * LANES, LANES)]
+                        for chain in range(1, chains):
+                            total = total + acci[_ramp((r * chains + chain) * LANES, LANES)]
+                        return _f32(total)
+
+                    zero(accf, row_tile, "float32")
+                    if fold:
+                        with T.serial(0, k_extent // block) as sb:
+                            zero(acci, row_tile * chains, "int32")
+                            with T.serial(0, block // group) as gi:
+                                g = sb * (block // group) + gi
+                                integer_sums(g, weights.scale_pairs(g))
+                                _, b = weights.scale_and_offset(g)
+                                add_to_rows(lambda r: offsets(b, g, r))
+                            d = weights.super_scale(sb)
+                            add_to_rows(lambda r: d * _bcast(dx[row_of[r], sb], LANES) * integer_total(r))
+                    else:
+                        with T.serial(0, k_extent // group) as g:
+                            integer_sums(g, None)
+                            a, b = weights.scale_and_offset(g)
+
+                            def group_update(r):
+                                update = a * _bcast(dx[row_of[r], g * group // 32], LANES) * integer_total(r)
+                                offset = offsets(b, g, r)
+                                return update if offset is None else update + offset
+
+                            add_to_rows(group_update)
                     for r in range(row_tile):
                         with T.If(tile * row_tile + r < rows):
                             with T.Then():

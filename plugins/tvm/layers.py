@@ -233,18 +233,18 @@ class GPULinear(nn.Module):
         )
 
 
-def int8_row_tile(isa: str, row_tile: int) -> int:
-    """The rows an 8-bit kernel computes together for a caller's `row_tile`:
-    one row, a decode batch's tile, or in prefill the widest tile the
-    registers hold."""
+def int8_row_tile(isa: str, row_tile: int, fmt: str) -> int:
+    """The rows an 8-bit kernel of `fmt` computes together for a caller's
+    `row_tile`: one row, a decode batch's tile, or in prefill the widest
+    tile the registers hold (`int8_matmul.row_tile`)."""
     if row_tile >= PREFILL_ROW_TILE:
-        return int8_matmul.ROW_TILE[isa]
+        return int8_matmul.row_tile(isa, fmt)
     return min(row_tile, DECODE_ROW_TILE)
 
 
 @functools.lru_cache(maxsize=None)
-def _quantize_activations(k_extent: int):
-    return int8_matmul.quantize_activations(k_extent)
+def _quantize_activations(k_extent: int, block: int, group: int):
+    return int8_matmul.quantize_activations(k_extent, block, group)
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,21 +298,22 @@ class Linear(nn.Module):
         *lead, k = x.shape
         rows = op.reshape(x, (functools.reduce(lambda a, b: a * b, lead), k))
         n = rows.shape[0]
-        x8, dx, s16 = op.tensor_ir_op(
-            _quantize_activations(int(k)),
+        block, group = int8_matmul.activation_layout(self.fmt, self.int8)
+        x8, dx, sums = op.tensor_ir_op(
+            _quantize_activations(int(k), block, group),
             "quantize_activations",
             [rows],
             [
                 Tensor.placeholder((n, k), "int8"),
-                Tensor.placeholder((n, k // 32), "float32"),
-                Tensor.placeholder((n, k // 16), "float32"),
+                Tensor.placeholder((n, k // block), "float32"),
+                Tensor.placeholder((n, k // group), "float32"),
             ],
         )
         out_features = self.out_features
         y = op.tensor_ir_op(
-            _int8_matmul(self.fmt, int(k), out_features, int8_row_tile(self.int8, row_tile), self.int8),
+            _int8_matmul(self.fmt, int(k), out_features, int8_row_tile(self.int8, row_tile, self.fmt), self.int8),
             "matmul_int8",
-            [x8, dx, s16, *_stored(self)],
+            [x8, dx, sums, *_stored(self)],
             Tensor.placeholder((n, out_features), "float32"),
         )
         return op.reshape(y, (*lead, out_features))

@@ -34,10 +34,11 @@ def read_tensor(reader: gguf.GGUFReader, name: str) -> np.ndarray:
     return values.reshape(shape)
 
 
-def int8_activations(h: np.ndarray) -> np.ndarray:
-    """h as the 8-bit matmuls see it: float32 rows cut into blocks of 32,
+def int8_activations(h: np.ndarray, block: int = 32) -> np.ndarray:
+    """h as the 8-bit matmuls see it: float32 rows cut into blocks of
+    `block` (32, or a K-quant's 256 in AVX2 code: `int8_matmul.activation_block`),
     each rounded to int8 steps of its largest magnitude / 127."""
-    x = h.astype(np.float32).reshape(*h.shape[:-1], -1, 32)
+    x = h.astype(np.float32).reshape(*h.shape[:-1], -1, block)
     amax = np.abs(x).max(-1, keepdims=True)
     inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
     q = np.round(x * inverse)
@@ -53,6 +54,11 @@ def reference_logits(path: pathlib.Path, tokens: list[int], int8: bool = False) 
     the 8-bit codes that follow by a step."""
     reader = gguf.GGUFReader(path)
     c = ModelConfig.from_gguf(reader)
+    if int8:  # the instruction set of the CPU the executor compiles for
+        from lockgate.plugins.tvm.compile import resolve_target
+        from lockgate.plugins.tvm.int8_matmul import activation_block, int8_isa
+
+        isa = int8_isa(resolve_target("llvm"))
     names = {t.name for t in reader.tensors}
     types = {t.name: t.tensor_type for t in reader.tensors}
     unquantized = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
@@ -70,7 +76,7 @@ def reference_logits(path: pathlib.Path, tokens: list[int], int8: bool = False) 
         # the kernels take panels of 16 outputs (the tensors of a fused
         # module together: the tiny models' Q, K and V are each whole panels)
         if int8 and types[name] not in unquantized and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0:
-            h = int8_activations(h)
+            h = int8_activations(h, activation_block(types[name].name.lower(), isa))
         return h @ w.T
 
     gemma = c.architecture == "gemma3"

@@ -35,15 +35,15 @@ def _build(func, target):
     return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
 
 
-def _quantized(x: np.ndarray, target) -> list:
+def _quantized(x: np.ndarray, target, block: int = 32, group: int = 32) -> list:
     rows, k = x.shape
-    lib = _build(int8_matmul.quantize_activations(k), target)
+    lib = _build(int8_matmul.quantize_activations(k, block, group), target)
     dev = tvm.cpu()
     out = [
         tvm.runtime.tensor(x, dev),
         tvm.runtime.empty((rows, k), "int8", dev),
-        tvm.runtime.empty((rows, k // 32), "float32", dev),
-        tvm.runtime.empty((rows, k // 16), "float32", dev),
+        tvm.runtime.empty((rows, k // block), "float32", dev),
+        tvm.runtime.empty((rows, k // group), "float32", dev),
     ]
     lib["main"](*out)
     return out[1:]
@@ -57,28 +57,31 @@ def test_instruction_sets_by_target():
 
 
 @pytest.mark.skipif(not _host_runs("avx2"), reason="the host lacks AVX2")
-def test_activations_round_per_block_of_32():
-    """x8 = round(x · 127 / max|block|), dx = max|block| / 127, and s16 the
-    sums of 16 x8 times dx; a block of zeros stays zeros."""
+@pytest.mark.parametrize("block, group", [(32, 32), (32, 16), (256, 32), (256, 16)])
+def test_activations_round_per_block(block, group):
+    """x8 = round(x · 127 / max|block|), dx = max|block| / 127, and sums the
+    sums of each group's x8 times dx; a block of zeros stays zeros."""
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((5, 128)).astype(np.float32) * np.float32(3)
-    x[2, 32:64] = 0
-    x8, dx, s16 = (a.numpy() for a in _quantized(x, HASWELL))
-    blocks = x.reshape(5, 4, 32)
+    k = 4 * block
+    x = rng.standard_normal((5, k)).astype(np.float32) * np.float32(3)
+    x[2, block:2 * block] = 0
+    x[3, 5] = 40.0  # one large input sets its whole block's scale
+    x8, dx, sums = (a.numpy() for a in _quantized(x, HASWELL, block, group))
+    blocks = x.reshape(5, 4, block)
     amax = np.abs(blocks).max(-1)
     np.testing.assert_allclose(dx, amax / 127, rtol=1e-6)
     inverse = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
-    want = np.round(blocks * inverse[..., None]).reshape(5, 128)
+    want = np.round(blocks * inverse[..., None]).reshape(5, k)
     assert np.abs(x8 - want).max() <= 1 and (x8 == want).mean() > 0.999
     assert np.abs(x8).max() == 127
-    assert (x8[2, 32:64] == 0).all() and dx[2, 1] == 0
-    sums = x8.astype(np.float32).reshape(5, 8, 16).sum(-1) * np.repeat(dx, 2, axis=1)
-    np.testing.assert_allclose(s16, sums, rtol=1e-6)
+    assert (x8[2, block:2 * block] == 0).all() and dx[2, 1] == 0
+    want_sums = x8.astype(np.float32).reshape(5, k // group, group).sum(-1) * np.repeat(dx, block // group, axis=1)
+    np.testing.assert_allclose(sums, want_sums, rtol=1e-6)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("rows, tile", [(1, 1), (11, 4)])
+@pytest.mark.parametrize("rows, tile", [(1, 1), (11, 4), (11, 8)])
 def test_every_format_multiplies_the_rounded_activations(fmt, isa, rows, tile):
     """y = (x8 · dx) @ W for GGML's values of W, to float32 rounding, at one
     row and at a tile of rows with a ragged last tile."""
@@ -90,12 +93,13 @@ def test_every_format_multiplies_the_rounded_activations(fmt, isa, rows, tile):
     w = unpack_values(parts, fmt)  # (out, in), GGML's values
     paneled = [np.ascontiguousarray(to_panels(parts[p.name].T, int8_matmul.LANES)) for p in FORMATS[fmt].parts]
     x = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
-    x8, dx, s16 = _quantized(x, target)
+    block, group = int8_matmul.activation_layout(fmt, isa)
+    x8, dx, sums = _quantized(x, target, block, group)
     lib = _build(int8_matmul.packed_matmul(fmt, k, n, tile, isa), target)
     dev = tvm.cpu()
     y = tvm.runtime.empty((rows, n), "float32", dev)
-    lib["main"](x8, dx, s16, *[tvm.runtime.tensor(a, dev) for a in paneled], y)
-    rounded = (x8.numpy().reshape(rows, -1, 32) * dx.numpy()[..., None]).reshape(rows, k)
+    lib["main"](x8, dx, sums, *[tvm.runtime.tensor(a, dev) for a in paneled], y)
+    rounded = (x8.numpy().reshape(rows, -1, block) * dx.numpy()[..., None]).reshape(rows, k)
     want = rounded.astype(np.float64) @ w.T.astype(np.float64)
     scale = np.abs(want).max()
     np.testing.assert_allclose(y.numpy(), want, atol=2e-6 * scale)
@@ -129,3 +133,14 @@ def test_the_llvm_cpu_variable_compiles_for_another_instruction_set(monkeypatch)
     assert str(target.attrs["mcpu"]) == "haswell"
     assert int8_matmul.int8_isa(target) == "avx2"
     assert _target_description("llvm") == {**host, "llvm_cpu": "haswell"}
+
+
+def test_k_quants_on_avx2_scale_activations_per_super_block():
+    """AVX2 folds a K-quant's integer sub-scales into its widening, which
+    needs one activation scale per super-block; VNNI and the other
+    formats keep one per 32 inputs."""
+    for fmt in ("q4_k", "q5_k", "q6_k"):
+        assert int8_matmul.activation_block(fmt, "avx2") == int8_matmul.SUPER_BLOCK
+        assert int8_matmul.activation_block(fmt, "avx512vnni") == 32
+    for fmt in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
+        assert int8_matmul.activation_block(fmt, "avx2") == 32
