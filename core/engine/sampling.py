@@ -203,23 +203,27 @@ def _draw_wide(
     """The draws of rows `which` of `x` (see `_draw`), `inverse` their
     1 / temperature and `uniform` their uniforms.
 
-    The one pass over the vocabulary is `_block_sums`. A row's block is then
-    drawn from its block sums and, its mass exponentiated again
-    (elementwise, to the same values as were summed), the token inside it:
-    the bookkeeping is vectorized over the rows, not looped per chunk.
+    A top-p row exponentiates its row once and sorts candidates
+    (`_draw_top_p`). For the others the one pass over the vocabulary is
+    `_block_sums`; a row's block is then drawn from its block sums and,
+    its mass exponentiated again (elementwise, to the same values as were
+    summed), the token inside it, vectorized over the rows.
     """
     vocab = x.shape[1]
     rows = x if which.size == x.shape[0] else x[which]
-    sums, shift = _block_sums(rows, inverse)
     tokens = np.empty(which.size, dtype=np.int64)
     plain = np.fromiter((p >= 1.0 for p in top_p), dtype=bool, count=which.size)
     for r in np.flatnonzero(~plain):
-        e = np.exp((rows[r] - shift[r]) * inverse[r])
-        tokens[r] = _draw_top_p(e, float(sums[r].sum(dtype=np.float64)), top_p[r], uniform[r])
+        # a top-p row's one pass: exp shifted by its maximum, which sorting needs whole
+        top = rows[r].max()
+        e = np.exp((rows[r] - (top if np.isfinite(top) else np.float32(0))) * inverse[r])
+        tokens[r] = _draw_top_p(e, float(e.sum(dtype=np.float64)), top_p[r], uniform[r])
     p = np.flatnonzero(plain)
     if p.size:
+        if p.size < which.size:
+            rows, inverse = rows[p], inverse[p]
+        block_sums, shift = _block_sums(rows, inverse)
         u = uniform[p]
-        block_sums = sums[p]
         block = _first_above(block_sums, u)
         # where the draw fell inside the chosen block's mass, as a fraction
         # of it: again uniform in [0, 1), and it picks the token there
@@ -229,7 +233,7 @@ def _draw_wide(
         with np.errstate(invalid="ignore", divide="ignore"):  # a row with no mass
             inner = np.clip((u * cumulative[:, -1] - before) / block_sums[at, block], 0.0, _BELOW_ONE)
         index = block[:, None] * _BLOCK + np.arange(_BLOCK)
-        chosen = np.exp((rows[p[:, None], np.minimum(index, vocab - 1)] - shift[p, None]) * inverse[p, None])
+        chosen = np.exp((rows[at[:, None], np.minimum(index, vocab - 1)] - shift[:, None]) * inverse[:, None])
         chosen[index >= vocab] = 0.0  # padding tokens carry no mass
         tokens[p] = block * _BLOCK + _first_above(chosen, inner)
     return tokens
