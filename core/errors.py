@@ -112,6 +112,13 @@ class UnsupportedParameter(InvalidRequestError):
     code = "unsupported_parameter"
 
 
+class UnknownParameter(InvalidRequestError):
+    """A request field no row of the endpoint's field table names (400), as
+    OpenAI answers one ("Unrecognized request argument supplied: ...")."""
+
+    code = "unknown_parameter"
+
+
 class AuthenticationError(LockgateError):
     """Missing or wrong API key (401)."""
 

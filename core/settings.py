@@ -148,6 +148,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics_public", bool, False,
             "serve `/metrics` without the API key, which it otherwise needs when keys are set"),
     Setting("max_body_size", int, 4 * 1024 * 1024, "bytes; larger bodies get 413"),
+    Setting("accept_unknown_fields", bool, False,
+            "accept (and log) request fields no row of the endpoint's field table names, for clients that "
+            "send vendor noise; by default they are a 400 `unknown_parameter`, as OpenAI answers them"),
     Setting("executor", str, "tvm", "the executor plugin that runs the model"),
     Setting("max_num_seqs", int, 16, "sequences decoded in one batch"),
     Setting("max_total_tokens", int, 8192,

@@ -1,17 +1,17 @@
 """Built-in `lockgate_validate_request`: this server's policy on requests.
 
 Types and ranges are not checked here: `parse_request` has checked every
-field before any hook runs. What is left is policy, which a deployment may
-want to change by replacing this plugin: how much text one request may
-carry, and which valid OpenAI parameters this server refuses rather than
-silently ignore (`UnsupportedParameter`).
+field before any hook runs, and the field tables
+(`lockgate.plugin_api.fields`) have refused every field that would not act.
+What is left is policy, which a deployment may want to change by replacing
+this plugin: how much text one request may carry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from lockgate.errors import InvalidRequestError, UnsupportedParameter
+from lockgate.errors import InvalidRequestError
 from lockgate.plugin_api.hookspecs import hookimpl
 from lockgate.plugin_api.request import ChatRequest, CompletionRequest, GenerationRequest
 
@@ -46,23 +46,6 @@ def check_size(request: GenerationRequest) -> None:
         check_text_size("prompt", (p for p in request.prompts if isinstance(p, str)))
 
 
-def check_unsupported(request: GenerationRequest) -> None:
-    body = request.body
-    if "chat_template" in body:
-        # the template is the server's (--chat-template); a client's own
-        # would be code this server runs
-        raise UnsupportedParameter(
-            "chat_template cannot be set by a request; the server's operator sets it with --chat-template",
-            param="chat_template",
-        )
-    if isinstance(request, CompletionRequest):
-        if request.suffix:
-            raise UnsupportedParameter("suffix is not supported by this server", param="suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise UnsupportedParameter("best_of is not supported by this server", param="best_of")
-
-
 @hookimpl
 def lockgate_validate_request(request: GenerationRequest, model) -> None:
     check_size(request)
-    check_unsupported(request)

@@ -26,7 +26,8 @@ from lockgate.models import Model, ServedModels, load_served_model
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.server.config import Settings, serve_parser, settings_from_args
 from lockgate.settings import settings_table
-from lockgate.server.keys import METRICS, MODELS, PLUGIN_MANAGER, SETTINGS, TRIMMER
+from lockgate.plugin_api.fields import FieldPolicy
+from lockgate.server.keys import FIELD_POLICY, METRICS, MODELS, PLUGIN_MANAGER, SETTINGS, TRIMMER
 
 from lockgate.server.middlewares import (
     api_key_middleware,
@@ -67,6 +68,7 @@ def create_app(
     )
     app[SETTINGS] = settings
     app[PLUGIN_MANAGER] = pm
+    app[FIELD_POLICY] = FieldPolicy.from_plugins(pm, accept_unknown=settings.accept_unknown_fields)
     app[MODELS] = ServedModels()
     app[METRICS] = Metrics()
     app[TRIMMER] = Trimmer()

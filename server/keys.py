@@ -9,6 +9,7 @@ from lockgate.engine import Usage
 from lockgate.memory import Trimmer
 from lockgate.metrics import Metrics
 from lockgate.models import ServedModels
+from lockgate.plugin_api.fields import FieldPolicy
 from lockgate.plugin_api.request import GenerationRequest
 from lockgate.server.config import Settings
 
@@ -17,6 +18,9 @@ SETTINGS = web.AppKey("settings", Settings)
 MODELS = web.AppKey("models", ServedModels)
 METRICS = web.AppKey("metrics", Metrics)
 TRIMMER = web.AppKey("trimmer", Trimmer)
+#: which request fields beyond the field tables are accepted (plugins', and
+#: any with `--accept-unknown-fields`)
+FIELD_POLICY = web.AppKey("field_policy", FieldPolicy)
 
 #: per-request: the id and the parsed request the hooks see
 REQUEST_ID = web.RequestKey("lockgate_request_id", str)

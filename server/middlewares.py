@@ -24,7 +24,9 @@ from aiohttp import web
 
 from lockgate.errors import AuthenticationError, OriginNotAllowed
 from lockgate.memory import LARGE_BODY_BYTES
-from lockgate.server.keys import COUNTED, ERROR_ANSWER, HANDLES, METRICS, REQUEST_ID, SETTINGS, TRIMMER, USAGE
+from lockgate.server.keys import (
+    COUNTED, ERROR_ANSWER, HANDLES, METRICS, PIPELINE_REQUEST, REQUEST_ID, SETTINGS, TRIMMER, USAGE,
+)
 from lockgate.server.protocol import error_body_for, error_response
 
 log = structlog.get_logger("lockgate.server")
@@ -57,6 +59,8 @@ async def request_id_middleware(request: web.Request, handler):
         raise
     finally:
         usage = request.get(USAGE)
+        typed = request.get(PIPELINE_REQUEST)
+        user = getattr(typed, "user", None)
         error_type = _error_type(request)
         if request.get(COUNTED):
             request.app[METRICS].count_request(status, error_type)
@@ -70,6 +74,7 @@ async def request_id_middleware(request: web.Request, handler):
                                          "completion_tokens": usage.completion_tokens,
                                          "cached_tokens": usage.cached_tokens}),
             **({} if error_type is None else {"error_type": error_type}),
+            **({} if user is None else {"user": user}),
         )
         structlog.contextvars.unbind_contextvars("request_id")
         if (request.content_length or 0) >= LARGE_BODY_BYTES:

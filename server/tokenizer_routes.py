@@ -27,18 +27,20 @@ from typing import Any
 from aiohttp import web
 
 from lockgate.errors import InvalidRequestError, TokenOutsideVocabulary
+from lockgate.plugin_api.fields import TOKENIZE, check_fields
 from lockgate.plugin_api.pipeline import errors_named_for, prompt_token_ids
 from lockgate.plugin_api.readers import boolean, string
 from lockgate.plugin_api.request import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, parse_request
 from lockgate.plugin_api.tool_calls import chat_template_for
-from lockgate.server.keys import MODELS, PLUGIN_MANAGER, REQUEST_ID
+from lockgate.server.keys import FIELD_POLICY, MODELS, PLUGIN_MANAGER, REQUEST_ID
 from lockgate.server.middlewares import require_api_key
 from lockgate.server.protocol import read_json_body
 
 tokenizer_routes = web.RouteTableDef()
 
 #: the fields of a chat request that shape its rendered prompt
-_CHAT_FIELDS = ("messages", "tools", "tool_choice", "functions", "function_call", "chat_template_kwargs")
+_CHAT_FIELDS = ("messages", "tools", "tool_choice", "functions", "function_call", "chat_template_kwargs",
+                "reasoning_effort")
 
 
 def _model(request: web.Request, name):
@@ -59,6 +61,7 @@ async def _in_worker(function, *args):
 async def tokenize(request: web.Request) -> web.Response:
     require_api_key(request)
     body = await read_json_body(request)
+    check_fields(TOKENIZE, body, request.config_dict[FIELD_POLICY])
     model = _model(request, body.get("model"))
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequestError("send either prompt (a string) or messages (a chat)", param="prompt")
@@ -66,6 +69,10 @@ async def tokenize(request: web.Request) -> web.Response:
     return_token_strs = boolean(body.get("return_token_strs", False), "return_token_strs")
     pm = request.config_dict[PLUGIN_MANAGER]
     if "prompt" in body:
+        for field in _CHAT_FIELDS:
+            if field in body:
+                raise InvalidRequestError(f"{field} shapes a chat's prompt: send it with messages, not prompt",
+                                          param=field)
         prompt = string(body["prompt"], "prompt")
         if add_special_tokens:
             # exactly as a completion's prompt: the same hooks
@@ -75,7 +82,8 @@ async def tokenize(request: web.Request) -> web.Response:
             tokens = await _in_worker(lambda: model.tokenizer.encode(prompt, add_special_tokens=False))
     else:
         chat = {key: body[key] for key in _CHAT_FIELDS if key in body}
-        typed = parse_request(CHAT_ENDPOINT, chat, request_id=request[REQUEST_ID])
+        typed = parse_request(CHAT_ENDPOINT, chat, request_id=request[REQUEST_ID],
+                              thinks=model.reasoning_format is not None)
         tokens = await _in_worker(_prompt_tokens, pm, typed, model)
     text = model.token_bytes.text
     return web.json_response({

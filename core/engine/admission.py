@@ -52,6 +52,12 @@ def admitted_max_tokens(engine: "Engine", work: Work) -> int:
             "Please reduce the length of the prompt or completion.",
             subject="max_tokens",
         )
+    if params.min_tokens > max_tokens:
+        raise ContextLengthExceeded(
+            f"min_tokens ({params.min_tokens}) is more than the {max_tokens} tokens this prompt leaves "
+            f"of the model's context of {engine.context_length}",
+            subject="min_tokens",
+        )
     vocab_size = engine.executor.vocab_size
     for subject, tokens in (
         ("prompt", work.prompt_token_ids),

@@ -138,8 +138,12 @@ class IncrementalDetokenizer:
         """Whether a stop string ended the sequence."""
         return self._stopped
 
-    def add(self, token_id: int) -> DetokenizerStep:
+    def add(self, token_id: int, *, stops: bool = True) -> DetokenizerStep:
         """Take the next generated token; return the text now safe to emit.
+
+        With `stops` false (a choice short of its `min_tokens`) no stop
+        string is looked for: the text is released as it is, and a stop
+        string can only be found in text that comes after it.
 
         :raises RuntimeError: called after a stop string ended the sequence
             or after `finish`.
@@ -155,6 +159,9 @@ class IncrementalDetokenizer:
             self._pending += text[self._window_done : complete]
             self._window_done = complete
         self._shrink_window(text)
+        if not stops:
+            pending, self._pending = self._pending, ""
+            return DetokenizerStep(pending)
         return self._release(final=False)
 
     def finish(self) -> str:

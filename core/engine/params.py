@@ -17,6 +17,9 @@ class SamplingParams:
 
     #: None: until end of turn or the context is full
     max_tokens: int | None = None
+    #: end-of-generation, stop token ids and stop strings are held back
+    #: until this many tokens are out
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     #: 0 disables

@@ -18,8 +18,9 @@ class StopChecker:
 
     A choice stops on an end-of-sequence token (unless `ignore_eos`), on one
     of the request's stop token ids, on a stop string (the detokenizer finds
-    those across token boundaries), when its grammar is complete, and at
-    `max_tokens`.
+    those across token boundaries, in the text from the `min_tokens`-th token
+    on), when its grammar is complete, and at `max_tokens`. (The sampler
+    holds end-of-sequence and stop token ids back before `min_tokens`.)
     """
 
     def __init__(self, eos_token_ids: Iterable[int]) -> None:
@@ -36,7 +37,8 @@ class StopChecker:
         is_eos = token in self.eos_token_ids and not params.ignore_eos
         if is_eos or token in params.stop_token_ids:
             return Delta(choice.index, detokenizer.finish(), [token], STOP, logprobs)
-        step = detokenizer.add(token)
+        # stop strings count from the min_tokens-th token on
+        step = detokenizer.add(token, stops=len(choice.output_ids) >= params.min_tokens)
         text, reason = step.text, None
         if step.stopped:
             return Delta(choice.index, text, [token], STOP, logprobs, stop_string=step.stop_string)

@@ -67,6 +67,11 @@ class Grammar:
         return self._vocab_size
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end the output (allowed where it may end)."""
+        return self._eos_token_ids
+
+    @property
     def warnings(self) -> tuple[str, ...]:
         """What llguidance ignored in a non-strict schema, in its words."""
         return self._warnings

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
+import numpy as np
 import structlog
 
 from lockgate.engine.structured import Grammar, MatcherError, _unenforced_keywords
@@ -39,6 +40,7 @@ from lockgate.plugin_api.schema_limits import (
 
 if TYPE_CHECKING:
     from lockgate.models import Model
+    from lockgate.plugin_api.readers import OutputFormat
     from lockgate.plugin_api.request import ChatRequest, GenerationRequest
 
 __all__ = [
@@ -50,7 +52,9 @@ __all__ = [
     "closed_objects",
     "compile_grammar",
     "compile_json_schema",
+    "compile_output_format",
     "compile_schema",
+    "compile_text_grammar",
     "grammar_for",
     "prepare_tokenizer",
     "rebuild_grammar",
@@ -153,6 +157,36 @@ def compile_grammar(
     return run_with_large_stack(lambda: _checked(grammar, llg_tokenizer))
 
 
+#: what each kind of `OutputFormat` is called in error messages, and its
+#: name for `llguidance.grammar_from` ("grammar" reads GBNF and Lark alike)
+_TEXT_GRAMMARS = {"regex": "regular expression", "choice": "choice", "grammar": "grammar"}
+
+
+def compile_text_grammar(
+    kind: str, source: str, tokenizer, *, eos_token_ids: Sequence[int] | None = None
+) -> Grammar:
+    """Compile a regular expression (`kind` "regex"), a choice (a JSON array
+    of strings) or a GBNF or Lark grammar ("grammar") into a `Grammar`.
+
+    :raises InvalidSchema: (subject "schema") when it does not compile or
+        admits nothing; the message says what is wrong.
+    """
+    what = _TEXT_GRAMMARS[kind]
+    llg_tokenizer = _llg_tokenizer(tokenizer, eos_token_ids)
+
+    def build() -> Grammar:
+        try:
+            grammar = llguidance.grammar_from(kind, source)
+        except (ValueError, TypeError) as exc:
+            raise _invalid(str(exc), what) from exc
+        compiled = _checked(grammar, llg_tokenizer, what)
+        _walk(compiled, what)
+        return compiled
+
+    # the grammar converter and compiler recurse over the client's text
+    return run_with_large_stack(build)
+
+
 def rebuild_grammar(
     source: str, tokenizer, *, eos_token_ids: Sequence[int] | None = None
 ) -> Grammar:
@@ -219,12 +253,12 @@ def closed_objects(schema: Mapping[str, Any]) -> Mapping[str, Any]:
     return close(schema)
 
 
-def _checked(grammar: str, llg_tokenizer) -> Grammar:
+def _checked(grammar: str, llg_tokenizer, what: str = "JSON schema") -> Grammar:
     # Building a matcher compiles the grammar for real (types, $ref targets,
     # regexes, satisfiability), which building its text does not.
     template = llguidance.LLMatcher(llg_tokenizer, grammar, log_level=0, limits=_LIMITS)
     if template.is_error():
-        raise _invalid(template.get_error())
+        raise _invalid(template.get_error(), what)
     compiled = Grammar(
         template,
         llg_tokenizer.vocab_size,
@@ -234,22 +268,56 @@ def _checked(grammar: str, llg_tokenizer) -> Grammar:
     )
     # Some schemas only fail at the first step (a `$ref` cycle that never
     # reaches a value); take that step now so they fail here, as a 400.
+    nothing = "the schema admits no JSON value" if what == "JSON schema" else f"the {what} admits no output"
     try:
         first = compiled.matcher().allowed(compiled.vocab_size)
     except MatcherError as exc:
-        raise _invalid(f"the schema admits no JSON value ({exc.reason})") from exc
+        raise _invalid(f"{nothing} ({exc.reason})", what) from exc
     if not first.any():
-        raise _invalid("the schema admits no JSON value")
+        raise _invalid(nothing, what)
     return compiled
 
 
-def _invalid(reason: str) -> InvalidSchema:
+#: steps of a text grammar taken at compile time (`_walk`)
+_WALK_STEPS = 8
+
+
+def _walk(compiled: Grammar, what: str) -> None:
+    """Take a few steps of a client's regular expression or grammar, each
+    time the first token it allows, so that one whose rules never end
+    (`root ::= "a" root` allows an "a" and then refuses it) or whose lexer
+    grows past llguidance's limits (`a{1000}{1000}`) is a 400 now, not a
+    failure in the middle of generation."""
+    matcher = compiled.matcher()
+    for _ in range(_WALK_STEPS):
+        try:
+            allowed = np.flatnonzero(matcher.allowed(compiled.vocab_size))
+        except MatcherError as exc:
+            raise _invalid(f"the {what} is too complex to follow ({exc.reason})", what) from exc
+        if not allowed.size:
+            raise _invalid(f"the {what} admits no output", what)
+        token = next((int(t) for t in allowed if t not in compiled.eos_token_ids), None)
+        if token is None:
+            return  # it may end here, and nothing else
+        try:
+            matcher.accept(token)
+        except ValueError:
+            raise _invalid(f"the {what} admits no output that ends: a rule refers to itself with no way out",
+                           what) from None
+        except MatcherError as exc:
+            raise _invalid(f"the {what} is too complex to follow ({exc.reason})", what) from exc
+        if matcher.is_finished:
+            return
+
+
+def _invalid(reason: str, what: str = "JSON schema") -> InvalidSchema:
     """A 400 that says in a sentence what is wrong with the client's
-    schema, from llguidance's account of it."""
-    return InvalidSchema(_explained(reason), subject=SUBJECT)
+    schema (or regular expression, or grammar: `what`), from llguidance's
+    account of it."""
+    return InvalidSchema(_explained(reason, what), subject=SUBJECT)
 
 
-def _explained(reason: str) -> str:
+def _explained(reason: str, what: str = "JSON schema") -> str:
     reason = _compiler_message(reason)
     keywords = _unenforced_keywords(reason)
     if keywords:
@@ -275,7 +343,9 @@ def _explained(reason: str) -> str:
         line if len(line) <= _MAX_LINE else line[: _MAX_LINE - 1] + "…"
         for line in reason.splitlines()
     ]
-    return "invalid JSON schema: " + "\n".join(lines[:_MAX_LINES])
+    if reason.startswith("the ") and ("admits no" in reason or "too complex" in reason):
+        return reason
+    return f"invalid {what}: " + "\n".join(lines[:_MAX_LINES])
 
 
 #: where llguidance's account of a grammar error begins, after its position
@@ -335,11 +405,22 @@ def grammar_for(request: GenerationRequest, model: Model) -> Grammar | None:
     grammar = None
     output = request.response_format
     if output is not None:
-        grammar = compile_schema(output.schema, model.tokenizer, model.eos_token_ids, strict=output.strict,
-                                 param=request.param_for("schema"))
+        grammar = compile_output_format(output, model, param=request.param_for("schema"))
     if isinstance(request, ChatRequest) and request.reads_tool_output:
         grammar = _tools_grammar(request, model) or grammar
     return grammar
+
+
+def compile_output_format(output: OutputFormat, model: Model, *, param: str) -> Grammar:
+    """The grammar of a request's `OutputFormat`: its JSON schema, or its
+    regular expression, choice or grammar; an error is a 400 naming `param`."""
+    if output.kind == "json_schema":
+        return compile_schema(output.schema, model.tokenizer, model.eos_token_ids, strict=output.strict, param=param)
+    try:
+        return compile_text_grammar(output.kind, output.source, model.tokenizer, eos_token_ids=model.eos_token_ids)
+    except LockgateError as exc:
+        exc.param = param
+        raise
 
 
 def compile_schema(schema, tokenizer, eos_token_ids: Sequence[int], *, strict: bool, param: str) -> Grammar:

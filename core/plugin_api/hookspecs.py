@@ -235,6 +235,26 @@ def lockgate_add_settings(register: Callable[[Setting], None]) -> None:
 
 
 @hookspec
+def lockgate_add_request_fields(register: Callable[..., None]) -> None:
+    """Declare request fields a plugin reads from `request.body` itself.
+
+    lockgate refuses a field no row of an endpoint's field table names
+    (`lockgate.plugin_api.fields`): an extension a plugin implements must be
+    declared to reach it.
+
+    :param register: call `register(name, endpoints=("chat.completions",
+        "completions"))` once per field; the endpoints are those of
+        `lockgate.plugin_api.fields.FIELDS` (`responses`, `messages`,
+        `tokenize` too).
+    :returns: nothing; the return value is ignored.
+    :raises: nothing by design; a field lockgate reads itself, or an unknown
+        endpoint, stops start-up.
+
+    Every implementation runs.
+    """
+
+
+@hookspec
 def lockgate_register_tool_call_formats(register: Callable[[type[ToolCallFormat]], None]) -> None:
     """Offer tool-call formats: how a model family writes tool calls.
 

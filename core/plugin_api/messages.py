@@ -34,15 +34,12 @@ from lockgate.plugin_api.readers import (
     read_response_format,
     string,
 )
+from lockgate.plugin_api.fields import MESSAGES, STRICT, FieldPolicy, check_fields
 from lockgate.plugin_api.request import ChatRequest, param, read_fields
 from lockgate.plugin_api.tool_calls import Tool, ToolCall, ToolChoice
 from lockgate.plugin_api.tool_readers import _function, tool_objects
 
 MESSAGES_ENDPOINT = "messages"
-
-#: Messages fields this server cannot honour when they ask for something
-REFUSED_WHEN_SET = ("container", "mcp_servers", "context_management")
-
 
 def read_system(value: Any, where: str) -> str:
     """`system`: a string, or text blocks."""
@@ -267,6 +264,8 @@ class MessagesRequest(ChatRequest):
     function_call: ToolChoice | None = param(None)
     prompt_logprobs: int | None = param(None)
     chat_template_kwargs: Mapping[str, Any] = param({})
+    return_token_ids: bool = param(False)
+    reasoning_effort: str | None = param(None)
     # the Messages API's own
     system: str | None = param(None, read_system)
     #: `thinking` switched on (True) or off (False); None: the template's default
@@ -287,16 +286,15 @@ class MessagesRequest(ChatRequest):
 
 
 def parse_messages_request(body: Mapping[str, Any], *, request_id: str, count_only: bool = False,
-                           thinks: bool = False) -> MessagesRequest:
+                           thinks: bool = False, fields: FieldPolicy = STRICT) -> MessagesRequest:
     """Read a Messages body (`count_only`: a count_tokens body, which has
     no `max_tokens`) for a model that thinks (`thinks`: it has a reasoning
     format) or not.
 
-    :raises InvalidRequestError: (400) naming the Messages field at fault.
+    :raises InvalidRequestError: (400) naming the Messages field at fault
+        (one the field table refuses or does not know included).
     """
-    for name in REFUSED_WHEN_SET:
-        if body.get(name) not in (None, False, [], {}, ""):
-            raise UnsupportedParameter(f"{name} is not supported by this server", param=name)
+    check_fields(MESSAGES, body, fields)
     if body.get("cache_control") is not None:
         _block({"cache_control": body["cache_control"]}, "")  # automatic caching: the prefix cache's
     if not count_only and body.get("max_tokens") is None:

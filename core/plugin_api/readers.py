@@ -133,6 +133,18 @@ def read_logit_bias(value: Any, where: str) -> dict[int, float]:
     return read
 
 
+#: OpenAI's reasoning efforts (and DeepSeek's `max`)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def read_reasoning_effort(value: Any, where: str) -> str:
+    if value not in REASONING_EFFORTS:
+        raise InvalidRequestError(
+            f"{where} must be one of {', '.join(REASONING_EFFORTS)}, got {json.dumps(value)[:40]}", param=where
+        )
+    return value
+
+
 def read_include_usage(value: Any, where: str) -> bool:
     """`stream_options`: only `include_usage` is read."""
     options = _object(value, where)
@@ -140,13 +152,26 @@ def read_include_usage(value: Any, where: str) -> bool:
     return False if found is None else boolean(found, f"{where}.include_usage")
 
 
+#: the kinds of `OutputFormat`
+JSON_SCHEMA, REGEX, CHOICE, GRAMMAR = "json_schema", "regex", "choice", "grammar"
+
+
 @dataclasses.dataclass(frozen=True)
 class OutputFormat:
-    """What `response_format` constrains the output to: a JSON schema."""
+    """What a request constrains its output to: a JSON schema (`kind`
+    `JSON_SCHEMA`, from `response_format` or an extension), a regular
+    expression (`REGEX`), one string of a list (`CHOICE`), or a context-free
+    grammar in GBNF or llguidance's Lark (`GRAMMAR`); the last three held as
+    `source` (the choices as a JSON array)."""
 
-    schema: Mapping[str, Any]
+    schema: Mapping[str, Any] | None = None
     #: refuse schema features the grammar compiler does not implement
     strict: bool = False
+    kind: str = JSON_SCHEMA
+    source: str = ""
+    #: the field it was read from, which an error compiling it names; None:
+    #: the endpoint's own `response_format` field (`param_for("schema")`)
+    param: str | None = None
 
 
 def read_response_format(value: Any, where: str) -> OutputFormat | None:

@@ -7,9 +7,11 @@ hooks then receive a `ChatRequest` or `CompletionRequest` whose values are
 known to be well-typed and in range, and `GenerationRequest.sampling_params`
 converts it, once, into what the engine runs. Every parse error is an
 `InvalidRequestError` whose `param` is the exact field (`messages[2].content`,
-`stream_options.include_usage`). Unknown fields are ignored, as OpenAI does;
-they stay readable in `GenerationRequest.body` for plugins that define
-extensions.
+`stream_options.include_usage`). Before any field is read, the body is held
+to its endpoint's table of fields (`lockgate.plugin_api.fields`): a field
+that would not act is refused, never silently dropped, and one in no row
+is refused as OpenAI refuses it; fields a plugin declares stay readable in
+`GenerationRequest.body`.
 
 What needs the model (token ids inside the vocabulary, `n` within the
 engine's limit, the prompt within the context) is checked where the model
@@ -29,7 +31,9 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from lockgate.engine.params import SamplingParams
-from lockgate.errors import InvalidRequestError
+from lockgate.errors import InvalidRequestError, UnsupportedParameter
+from lockgate.plugin_api.constraints import read_constraint
+from lockgate.plugin_api.fields import STRICT, FieldPolicy, check_fields
 from lockgate.plugin_api.readers import (
     INT64_MIN,
     MAX_TOP_LOGPROBS,
@@ -47,6 +51,7 @@ from lockgate.plugin_api.readers import (
     read_prompts,
     read_response_format,
     read_stop,
+    read_reasoning_effort,
     read_stop_token_ids,
     string,
 )
@@ -109,6 +114,11 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = param((), read_stop_token_ids)
     #: each prompt token's logprob with this many alternatives (vLLM's extension)
     prompt_logprobs: int | None = param(None, integer(0, MAX_TOP_LOGPROBS))
+    #: end-of-generation, stop token ids and stop strings held back until
+    #: this many tokens are out (vLLM's extension)
+    min_tokens: int = param(0, integer(0))
+    #: the prompt's and each choice's token ids in the answer (vLLM's shape)
+    return_token_ids: bool = param(False, boolean)
 
     @property
     def is_chat(self) -> bool:
@@ -135,6 +145,8 @@ class GenerationRequest:
         if subject == "max_tokens":
             return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
         if subject == "schema":
+            if self.response_format is not None and self.response_format.param is not None:
+                return self.response_format.param  # an extension's field
             return "response_format"
         return subject
 
@@ -151,6 +163,7 @@ class GenerationRequest:
         `response_format`)."""
         return SamplingParams(
             max_tokens=self.completion_limit,
+            min_tokens=self.min_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
@@ -177,6 +190,12 @@ class GenerationRequest:
             raise InvalidRequestError(
                 "prompt_logprobs cannot be combined with stream (echo with logprobs streams them)",
                 param="prompt_logprobs", code="unsupported_parameter",
+            )
+        limit = self.completion_limit
+        if self.min_tokens and limit is not None and self.min_tokens > limit:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed {self.param_for('max_tokens')} ({limit})",
+                param="min_tokens",
             )
         if self.completion_limit == 0 and not self.echoes_prompt:
             raise InvalidRequestError(
@@ -207,6 +226,9 @@ class ChatRequest(GenerationRequest):
     #: variables for the chat template (vLLM's extension: `enable_thinking`, ...)
     chat_template_kwargs: Mapping[str, Any] = param({}, read_chat_template_kwargs)
     parallel_tool_calls: bool = param(True, boolean)
+    #: OpenAI's effort, read as the thinking switch of a model that thinks
+    #: (`chat_template_kwargs.enable_thinking`); None: not given
+    reasoning_effort: str | None = param(None, read_reasoning_effort)
     # the deprecated forms of `tools` and `tool_choice`
     functions: tuple[Tool, ...] = param((), read_functions)
     function_call: ToolChoice | None = param(None, read_tool_choice)
@@ -306,7 +328,6 @@ class CompletionRequest(GenerationRequest):
     prompts: tuple[Prompt, ...] = param((), read_prompts, key="prompt", required=True)
     logprobs: int | None = param(None, integer(0, MAX_TOP_LOGPROBS))
     echo: bool = param(False, boolean)
-    suffix: str | None = param(None, string)
     best_of: int | None = param(None, integer(1))
 
     @property
@@ -336,6 +357,13 @@ class CompletionRequest(GenerationRequest):
     def echoes_prompt(self) -> bool:
         return self.echo
 
+    def _check_combinations(self) -> None:
+        super()._check_combinations()
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedParameter(
+                "best_of is not supported by this server: use n (best_of equal to n is accepted)", param="best_of"
+            )
+
 
 REQUEST_TYPES: dict[str, type[GenerationRequest]] = {
     CHAT_ENDPOINT: ChatRequest,
@@ -361,13 +389,56 @@ def read_fields(cls: type[GenerationRequest], body: Mapping[str, Any]) -> dict[s
     return values
 
 
-def parse_request(endpoint: str, body: Mapping[str, Any], *, request_id: str) -> GenerationRequest:
-    """Read `body` (a decoded JSON object) as a request to `endpoint`.
+def with_thinking(values: dict[str, Any], effort: str | None, *, thinks: bool, where: str) -> None:
+    """Turn a reasoning effort (`effort`, read from `where`) into the
+    thinking switch of the chat template, in `values` (the fields read):
+    `none` switches the thinking off, any other effort on. A model that
+    does not think (`thinks` false) has nothing to switch: an effort other
+    than `none` asks for what it cannot do.
+
+    :raises UnsupportedParameter: an effort for a model that does not think.
+    :raises InvalidRequestError: an effort that contradicts
+        `chat_template_kwargs.enable_thinking`.
+    """
+    if effort is None:
+        return
+    if not thinks:
+        if effort != "none":
+            raise UnsupportedParameter(
+                f"{where} is not supported for this model: it writes no reasoning apart from its answer",
+                param=where,
+            )
+        return
+    on = effort != "none"
+    kwargs = dict(values.get("chat_template_kwargs") or {})
+    if kwargs.get("enable_thinking", on) != on:
+        raise InvalidRequestError(
+            f"{where} {effort!r} contradicts chat_template_kwargs.enable_thinking", param=where
+        )
+    kwargs["enable_thinking"] = on
+    values["chat_template_kwargs"] = kwargs
+
+
+def parse_request(
+    endpoint: str,
+    body: Mapping[str, Any],
+    *,
+    request_id: str,
+    fields: FieldPolicy = STRICT,
+    thinks: bool = False,
+) -> GenerationRequest:
+    """Read `body` (a decoded JSON object) as a request to `endpoint`, for
+    a model that thinks (`thinks`: it has a reasoning format) or not.
 
     :raises InvalidRequestError: (400) naming the first field that is
-        missing, of the wrong type or out of range.
+        unknown (`fields` says what else is), refused, missing, of the wrong
+        type or out of range.
     """
+    check_fields(endpoint, body, fields)
     cls = REQUEST_TYPES[endpoint]
-    request = cls(id=request_id, body=body, **read_fields(cls, body))
+    values = read_fields(cls, body)
+    values["response_format"] = read_constraint(body, values.get("response_format"), "response_format")
+    with_thinking(values, values.get("reasoning_effort"), thinks=thinks, where="reasoning_effort")
+    request = cls(id=request_id, body=body, **values)
     request._check_combinations()
     return request

@@ -28,19 +28,17 @@ from lockgate.plugin_api.readers import (
     integer,
     json_type,
     read_arguments,
+    read_reasoning_effort,
     read_response_format,
     string,
 )
-from lockgate.plugin_api.request import ChatRequest, param, read_fields
+from lockgate.plugin_api.fields import RESPONSES, STRICT, FieldPolicy, check_fields
+from lockgate.plugin_api.request import ChatRequest, param, read_fields, with_thinking
 from lockgate.plugin_api.tool_calls import Tool, ToolCall, ToolChoice
 from lockgate.plugin_api.tool_readers import read_tools
 
 RESPONSES_ENDPOINT = "responses"
 
-#: Responses fields this server cannot honour when they ask for something
-#: (null, false or empty is accepted): refused, never silently ignored
-REFUSED_WHEN_SET = ("background", "conversation", "prompt", "include", "reasoning", "max_tool_calls",
-                    "prompt_cache_key", "safety_identifier")
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 MAX_METADATA_KEYS = 16
 
@@ -166,9 +164,37 @@ def read_responses_tool_choice(value: Any, where: str) -> ToolChoice:
     return ToolChoice.function(choice["name"])
 
 
+def read_reasoning(value: Any, where: str) -> str | None:
+    """`reasoning`: its `effort` (None when not given); a `summary` cannot
+    be written here (the thinking is returned whole, in reasoning items)."""
+    reasoning = _object(value, where)
+    for key, member in reasoning.items():
+        if key == "effort" or member is None:
+            continue
+        if key in ("summary", "generate_summary"):
+            raise UnsupportedParameter(
+                f"{where}.{key} is not supported by this server: the thinking comes whole, as reasoning items",
+                param=f"{where}.{key}",
+            )
+        raise InvalidRequestError(f"{where}.{key} is not a reasoning option (effort, summary)", param=f"{where}.{key}")
+    effort = reasoning.get("effort")
+    return None if effort is None else read_reasoning_effort(effort, f"{where}.effort")
+
+
 def read_text(value: Any, where: str) -> OutputFormat | None:
-    """`text`: `{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}`."""
+    """`text`: `{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}`;
+    `verbosity` other than `medium` cannot be honoured."""
     text = _object(value, where)
+    verbosity = text.get("verbosity")
+    if verbosity not in (None, "medium"):
+        raise UnsupportedParameter(
+            f"{where}.verbosity is not supported by this server: the model's answers cannot be made shorter "
+            "or longer on request",
+            param=f"{where}.verbosity",
+        )
+    for key in text:
+        if key not in ("format", "verbosity"):
+            raise InvalidRequestError(f"{where}.{key} is not a text option (format, verbosity)", param=f"{where}.{key}")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -219,6 +245,8 @@ class ResponsesRequest(ChatRequest):
     function_call: ToolChoice | None = param(None)
     prompt_logprobs: int | None = param(None)
     chat_template_kwargs: Mapping[str, Any] = param({})
+    return_token_ids: bool = param(False)
+    reasoning_effort: str | None = param(None, read_reasoning, key="reasoning")
     # the Responses API's own
     instructions: str | None = param(None, string)
     #: keep the response (and its conversation) for `previous_response_id`
@@ -247,19 +275,19 @@ class ResponsesRequest(ChatRequest):
 
 
 def parse_responses_request(
-    body: Mapping[str, Any], *, request_id: str, history: Sequence[Message] = ()
+    body: Mapping[str, Any], *, request_id: str, history: Sequence[Message] = (), fields: FieldPolicy = STRICT,
+    thinks: bool = False,
 ) -> ResponsesRequest:
-    """Read a Responses body; `history` is the stored conversation of its
-    `previous_response_id` (the caller looks it up).
+    """Read a Responses body for a model that thinks (`thinks`) or not;
+    `history` is the stored conversation of its `previous_response_id` (the
+    caller looks it up).
 
-    :raises InvalidRequestError: (400) naming the Responses field at fault.
+    :raises InvalidRequestError: (400) naming the Responses field at fault
+        (one the field table refuses or does not know included).
     """
-    for name in REFUSED_WHEN_SET:
-        if body.get(name) not in (None, False, [], {}, ""):
-            raise UnsupportedParameter(f"{name} is not supported by this server", param=name)
-    if body.get("truncation") not in (None, "disabled"):
-        raise UnsupportedParameter("truncation other than 'disabled' is not supported", param="truncation")
+    check_fields(RESPONSES, body, fields)
     values = read_fields(ResponsesRequest, body)
+    with_thinking(values, values.get("reasoning_effort"), thinks=thinks, where="reasoning.effort")
     input_messages = values.pop("messages")
     instructions = values.get("instructions")
     # instructions are this request's only: a previous response's are not carried over

@@ -23,7 +23,7 @@ from lockgate.plugin_api.messages import MessagesRequest, parse_messages_request
 from lockgate.plugin_api.output import OutputParser
 from lockgate.plugin_api.pipeline import errors_named_for, output_parser, prompt_token_ids
 from lockgate.plugin_api.tool_calls import ToolCall
-from lockgate.server.keys import MODELS, PLUGIN_MANAGER, REQUEST_ID
+from lockgate.server.keys import FIELD_POLICY, MODELS, PLUGIN_MANAGER, REQUEST_ID
 from lockgate.server.protocol import anthropic_error_body, read_json_body
 from lockgate.server.serving import MergedDeltas, event_stream, generate, total_usage, write_event
 
@@ -81,7 +81,8 @@ class MessageBuilder:
 
 
 def _parse(request: web.Request, body: dict[str, Any], model: Model) -> MessagesRequest:
-    return parse_messages_request(body, request_id=request[REQUEST_ID], thinks=model.reasoning_format is not None)
+    return parse_messages_request(body, request_id=request[REQUEST_ID], thinks=model.reasoning_format is not None,
+                                  fields=request.config_dict[FIELD_POLICY])
 
 
 async def _answer(request: web.Request, typed: MessagesRequest, model: Model, handles: list[Handle]):
@@ -184,7 +185,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = await read_json_body(request)
     model = request.config_dict[MODELS].resolve(body.get("model"))
     typed = parse_messages_request(body, request_id=request[REQUEST_ID], count_only=True,
-                                   thinks=model.reasoning_format is not None)
+                                   thinks=model.reasoning_format is not None,
+                                   fields=request.config_dict[FIELD_POLICY])
     pm = request.config_dict[PLUGIN_MANAGER]
 
     def count() -> int:

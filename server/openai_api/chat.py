@@ -16,7 +16,7 @@ from lockgate.plugin_api.output import Output, OutputReader
 from lockgate.plugin_api.pipeline import output_parser
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.plugin_api.request import CHAT_ENDPOINT, ChatRequest, parse_request
-from lockgate.server.keys import REQUEST_ID
+from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
 from lockgate.server.openai_api.choices import (
     ChoicesBuilder,
     collect,
@@ -102,7 +102,8 @@ class ChatCompletionBuilder(ChoicesBuilder):
 
 
 def _parse(request: web.Request, body: dict[str, Any], model: Model) -> ChatRequest:
-    return parse_request(CHAT_ENDPOINT, body, request_id=request[REQUEST_ID])
+    return parse_request(CHAT_ENDPOINT, body, request_id=request[REQUEST_ID],
+                         fields=request.config_dict[FIELD_POLICY], thinks=model.reasoning_format is not None)
 
 
 async def _answer(request: web.Request, typed: ChatRequest, model: Model, handles: list[Handle]):
@@ -112,16 +113,26 @@ async def _answer(request: web.Request, typed: ChatRequest, model: Model, handle
     thinks = parser.reasoning is not None
     if thinks:
         builder.reasoning_tokens = 0
+    if typed.return_token_ids:
+        builder.return_token_ids(handles)
     if typed.stream:
         include_usage = typed.include_usage
         readers: dict[int, OutputReader] = {}
 
         def read_chunks(index: int, delta: Delta) -> list[bytes]:
             reader = readers.setdefault(index, parser.stream())
-            return [sse_frame(c) for c in _read_chunks(builder, reader, index, delta, include_usage)]
+            chunks = _read_chunks(builder, reader, index, delta, include_usage)
+            if builder.prompt_ids is not None and delta.token_ids:
+                if not chunks:  # text held back: its tokens still go out
+                    chunks = [builder.chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": None}],
+                                            include_usage)]
+                builder.with_token_ids(chunks[0]["choices"][0], index, delta.token_ids)
+            return [sse_frame(c) for c in chunks]
 
         chunks = plain_chunks(builder, include_usage) if parser.plain else read_chunks
         first = [builder.role_chunk(index, include_usage) for index in range(sum(h.n for h in handles))]
+        if builder.prompt_ids is not None:
+            first[0]["prompt_token_ids"] = builder.prompt_ids[0]
         return await stream(request, handles, builder, include_usage=include_usage, chunks=chunks, first=first)
     collected = await collect(request, handles, with_logprobs=typed.requested_logprobs() is not None)
     choices = []
@@ -129,8 +140,9 @@ async def _answer(request: web.Request, typed: ChatRequest, model: Model, handle
         output = parser.parse(text)
         if thinks:
             builder.reasoning_tokens += output.reasoning_tokens
-        choices.append(builder.choice(index, output, collected.finish_reasons.get(index), collected.logprobs[index],
-                                      thinks=thinks))
+        choice = builder.choice(index, output, collected.finish_reasons.get(index), collected.logprobs[index],
+                                thinks=thinks)
+        choices.append(builder.with_token_ids(choice, index, collected.token_ids[index]))
     body = builder.whole(choices, total_usage(handles))
     if typed.prompt_logprobs is not None:
         # the choices share one prompt: its logprobs once, as vLLM has them

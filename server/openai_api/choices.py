@@ -17,7 +17,7 @@ from lockgate.engine import Delta, Handle, Usage
 from lockgate.engine.sampling import TokenLogprob
 from lockgate.errors import ErrorResponse
 from lockgate.server.protocol import error_body
-from lockgate.server.serving import MergedDeltas, event_stream, sse_frame, total_usage, write_frames
+from lockgate.server.serving import MergedDeltas, choice_offsets, event_stream, sse_frame, total_usage, write_frames
 
 #: a string as JSON, as json.dumps(..., ensure_ascii=False) writes it
 json_string = json.encoder.encode_basestring
@@ -59,8 +59,36 @@ class ChoicesBuilder:
         self.token_bytes = token_bytes
         #: the choices' thinking tokens so far, for a model that thinks (else None)
         self.reasoning_tokens: int | None = None
+        #: with `return_token_ids`: each choice's prompt token ids, by index
+        #: (else None); a choice's own ids go with its text
+        self.prompt_ids: dict[int, list[int]] | None = None
+        #: choices whose first chunk has gone out
+        self._started: set[int] = set()
         #: per include_usage, the JSON of a stream chunk around its choice
         self._templates: dict[bool, tuple[str, str]] = {}
+
+    def return_token_ids(self, handles: list[Handle]) -> None:
+        """Put token ids in the answer (`return_token_ids`): the prompt's and
+        each choice's, as vLLM does."""
+        self.prompt_ids = {}
+        for handle, offset in zip(handles, choice_offsets(handles)):
+            for index in range(offset, offset + handle.n):
+                self.prompt_ids[index] = list(handle.work.prompt_token_ids)
+
+    def with_token_ids(self, choice: dict[str, Any], index: int, token_ids: list[int]) -> dict[str, Any]:
+        """`choice` (a whole one, or a chunk's) with its `token_ids`, when
+        the request asked for them; an endpoint whose prompts are per choice
+        adds the prompt's (`choice_prompt_ids`)."""
+        if self.prompt_ids is not None:
+            choice["token_ids"] = list(token_ids)
+            if self.PROMPT_IDS_PER_CHOICE and index not in self._started:
+                choice["prompt_token_ids"] = self.prompt_ids[index]
+            self._started.add(index)
+        return choice
+
+    #: whether the prompt's token ids go in each choice (completions: each
+    #: prompt its own) rather than once in the response (chat)
+    PROMPT_IDS_PER_CHOICE = False
 
     def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         """The `logprobs` object of a choice (or of a chunk)."""
@@ -88,6 +116,8 @@ class ChoicesBuilder:
     def whole(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
         body = self.envelope(self.OBJECT, choices)
         body["usage"] = usage_body(usage, self.reasoning_tokens)
+        if self.prompt_ids is not None and not self.PROMPT_IDS_PER_CHOICE:
+            body["prompt_token_ids"] = self.prompt_ids.get(0, [])
         return body
 
     # ------------------------------------------------------------ streamed
@@ -100,15 +130,16 @@ class ChoicesBuilder:
 
     def delta_chunk(self, index: int, delta: Delta, include_usage: bool) -> dict[str, Any]:
         """The chunk of one engine delta, for the response's choice `index`."""
-        return self.chunk([self.delta_choice(index, delta)], include_usage)
+        return self.chunk([self.with_token_ids(self.delta_choice(index, delta), index, delta.token_ids)],
+                          include_usage)
 
     def delta_chunk_json(self, index: int, delta: Delta, include_usage: bool) -> str:
         """`delta_chunk` as JSON text, the same text `json.dumps` writes
         (`ensure_ascii=False`), from a template filled with the text, the
         index and the finish reason: every streamed token is one, and
         building and dumping a dict of dicts each time is most of its cost.
-        Chunks with logprobs are dumped whole."""
-        if delta.logprobs is not None:
+        Chunks with logprobs or token ids are dumped whole."""
+        if delta.logprobs is not None or self.prompt_ids is not None:
             return json.dumps(self.delta_chunk(index, delta, include_usage), ensure_ascii=False)
         head, tail = self._chunk_template(include_usage)
         reason = "null" if delta.finish_reason is None else json_string(delta.finish_reason)
@@ -135,6 +166,8 @@ class Collected:
     """Every choice's output, read whole, by choice index."""
 
     texts: dict[int, str]
+    #: every token each choice generated (the one that ended it included)
+    token_ids: dict[int, list[int]]
     finish_reasons: dict[int, str | None]
     #: a list per choice when the request asked for logprobs, else None
     logprobs: dict[int, list[TokenLogprob] | None]
@@ -149,11 +182,13 @@ async def collect(
     """Read every delta of `handles` into whole choices; `read` may change
     each delta first (completions' echo)."""
     texts: dict[int, list[str]] = {}
+    token_ids: dict[int, list[int]] = {}
     finish_reasons: dict[int, str | None] = {}
     logprobs: dict[int, list | None] = {}
     prompt_logprobs: dict[int, list] = {}
     for index in range(sum(handle.n for handle in handles)):
         texts[index] = []
+        token_ids[index] = []
         logprobs[index] = [] if with_logprobs else None
     async for index, delta in MergedDeltas(request, handles):
         if delta.prompt_logprobs is not None:
@@ -161,12 +196,13 @@ async def collect(
         if read is not None:
             delta = read(index, delta)
         texts[index].append(delta.text)
+        token_ids[index].extend(delta.token_ids)
         if delta.logprobs:
             logprobs[index].extend(delta.logprobs)
         if delta.finish_reason is not None:
             finish_reasons[index] = delta.finish_reason
     joined = {index: "".join(parts) for index, parts in texts.items()}
-    return Collected(joined, finish_reasons, logprobs, prompt_logprobs)
+    return Collected(joined, token_ids, finish_reasons, logprobs, prompt_logprobs)
 
 
 async def stream(
@@ -201,10 +237,12 @@ async def stream(
 def plain_chunks(builder: ChoicesBuilder, include_usage: bool) -> Callable[[int, Delta], list[bytes]]:
     """Each delta as its chunk. A token whose text is held back (an
     incomplete UTF-8 sequence, a possible start of a stop string) still has
-    its logprobs: they go out at once, in a chunk with empty text."""
+    its logprobs and token ids: they go out at once, in a chunk with empty
+    text."""
 
     def chunks(index: int, delta: Delta) -> list[bytes]:
-        if delta.text or delta.finish_reason is not None or delta.logprobs:
+        ids = builder.prompt_ids is not None and delta.token_ids
+        if delta.text or delta.finish_reason is not None or delta.logprobs or ids:
             return [sse_frame(builder.delta_chunk_json(index, delta, include_usage))]
         return []
 

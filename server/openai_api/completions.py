@@ -14,7 +14,7 @@ from lockgate.engine import Delta, Handle
 from lockgate.engine.sampling import TokenLogprob
 from lockgate.models import Model
 from lockgate.plugin_api.request import COMPLETIONS_ENDPOINT, CompletionRequest, parse_request
-from lockgate.server.keys import REQUEST_ID
+from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
 from lockgate.server.openai_api.choices import (
     ChoicesBuilder,
     collect,
@@ -34,6 +34,7 @@ class CompletionBuilder(ChoicesBuilder):
     OBJECT = "text_completion"
     CHUNK_OBJECT = "text_completion"
     ID_PREFIX = "cmpl-"
+    PROMPT_IDS_PER_CHOICE = True
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -123,12 +124,15 @@ class Echo:
 
 
 def _parse(request: web.Request, body: dict[str, Any], model: Model) -> CompletionRequest:
-    return parse_request(COMPLETIONS_ENDPOINT, body, request_id=request[REQUEST_ID])
+    return parse_request(COMPLETIONS_ENDPOINT, body, request_id=request[REQUEST_ID],
+                         fields=request.config_dict[FIELD_POLICY])
 
 
 async def _answer(request: web.Request, typed: CompletionRequest, model: Model, handles: list[Handle]):
     builder = CompletionBuilder(request_id=typed.id, model=model.name, token_bytes=model.token_bytes)
     echo = Echo.of(typed, handles, model) if typed.echo else None
+    if typed.return_token_ids:
+        builder.return_token_ids(handles)
     if typed.stream:
         plain = plain_chunks(builder, typed.include_usage)
         chunks = plain if echo is None else (lambda index, delta: plain(index, echo.apply(index, delta)))
@@ -138,6 +142,7 @@ async def _answer(request: web.Request, typed: CompletionRequest, model: Model, 
     choices = []
     for index, text in collected.texts.items():
         choice = builder.choice(index, text, collected.finish_reasons.get(index), collected.logprobs[index])
+        builder.with_token_ids(choice, index, collected.token_ids[index])
         if typed.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_body(builder, typed.prompt_logprobs,
                                                              collected.prompt_logprobs.get(index))

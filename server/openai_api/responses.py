@@ -28,7 +28,7 @@ from lockgate.plugin_api.pipeline import output_parser
 from lockgate.plugin_api.readers import Message, string
 from lockgate.plugin_api.responses import ResponsesRequest, parse_responses_request
 from lockgate.plugin_api.tool_calls import ToolCall
-from lockgate.server.keys import REQUEST_ID
+from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
 from lockgate.server.serving import MergedDeltas, event_stream, generate, total_usage, write_event
 
 log = structlog.get_logger("lockgate.server")
@@ -123,6 +123,7 @@ class ResponseObjectBuilder:
             "output": output,
             "parallel_tool_calls": self.typed.parallel_tool_calls,
             "previous_response_id": self.typed.previous_response_id,
+            "reasoning": {"effort": self.typed.reasoning_effort, "summary": None},
             "store": self.typed.store,
             "temperature": self.typed.temperature,
             "text": {"format": text_format or {"type": "text"}},
@@ -181,7 +182,9 @@ def _parse(request: web.Request, body: dict[str, Any], model: Model) -> Response
         string(previous, "previous_response_id")
         store = request.config_dict[RESPONSE_STORE]
         history = store.get(previous, owner_of(request), param="previous_response_id").conversation
-    return parse_responses_request(body, request_id=request[REQUEST_ID], history=history)
+    return parse_responses_request(body, request_id=request[REQUEST_ID], history=history,
+                                   fields=request.config_dict[FIELD_POLICY],
+                                   thinks=model.reasoning_format is not None)
 
 
 async def _answer(request: web.Request, typed: ResponsesRequest, model: Model, handles: list[Handle]):

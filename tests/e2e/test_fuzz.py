@@ -129,3 +129,26 @@ def test_schemas_aimed_at_the_grammar_compiler(fuzz_server, stream):
         assert process.poll() is None, f"the server died with {process.returncode} on hostile schema {i}"
     assert seen["400"] >= len(HOSTILE_SCHEMAS) // 2, seen
     assert_serving_and_idle(process, port)
+
+
+@pytest.mark.parametrize("field", ["guided_regex", "grammar", "structured_outputs"])
+def test_grammars_aimed_at_the_grammar_compiler(fuzz_server, field):
+    """Every hostile regular expression and grammar, through each way a
+    client names one (vLLM's, llama.cpp's, vLLM's newer), to the same live
+    process: a 400 naming the field or an answer, never a 5xx or a crash."""
+    from fuzzing import HOSTILE_GRAMMARS
+
+    process, port = fuzz_server
+    seen = collections.Counter()
+    for i, text in enumerate(HOSTILE_GRAMMARS):
+        value = {"grammar": text} if field == "structured_outputs" else text
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], field: value}
+        case = Case("POST", CHAT, json.dumps(body).encode(), "application/json", f"hostile grammar {i}", body)
+        status, headers, data = send("127.0.0.1", port, case, timeout=DEADLINE_SECONDS)
+        outcome = check_answer(case, status, headers, data)
+        seen[outcome] += 1
+        if outcome == "400":
+            assert json.loads(data)["error"]["param"].startswith(field), data
+        assert process.poll() is None, f"the server died with {process.returncode} on hostile grammar {i}"
+    assert seen["400"] >= len(HOSTILE_GRAMMARS) // 3, seen
+    assert_serving_and_idle(process, port)

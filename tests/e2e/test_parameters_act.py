@@ -45,6 +45,7 @@ BODY_KEYS = {"grammar": "response_format", "prompt_logprobs": "echo"}
 #: defaults: greedy, 12 tokens, ignore_eos, "a" and "b" biased as in `AB`.
 CHANGES = {
     "max_tokens": ({}, {}, {"max_tokens": 3}),
+    "min_tokens": ({"logit_bias": {str(EOS): 100}, "ignore_eos": False}, {}, {"min_tokens": 5}),
     "temperature": ({"logit_bias": {}, "seed": 5}, {}, {"temperature": 2.0}),
     "top_p": (HOT, {}, {"top_p": 1e-9}),
     "top_k": (HOT, {}, {"top_k": 1}),
@@ -86,11 +87,11 @@ def test_the_typed_request_converts_every_parameter():
         "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_p": 0.1,
         "presence_penalty": 0.3, "frequency_penalty": 0.4, "repetition_penalty": 1.2,
         "logit_bias": {"5": -3}, "seed": 9, "stop": "x", "stop_token_ids": [3],
-        "ignore_eos": True, "n": 2, "skip_special_tokens": False, "logprobs": 3, "echo": True,
+        "ignore_eos": True, "n": 2, "skip_special_tokens": False, "logprobs": 3, "echo": True, "min_tokens": 2,
     }
     params = sampling_params(body)
     assert params == SamplingParams(
-        max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, presence_penalty=0.3,
+        max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, presence_penalty=0.3,
         frequency_penalty=0.4, repetition_penalty=1.2, logit_bias={5: -3.0}, seed=9, stop=("x",),
         stop_token_ids=(3,), ignore_eos=True, n=2, skip_special_tokens=False, logprobs=3, prompt_logprobs=3,
     )
@@ -123,6 +124,7 @@ async def complete(tiny_model, make_client):
         return (await run(**body))["choices"][0]["text"]
 
     run.text = text
+    run.client = client
     return run
 
 
@@ -177,6 +179,26 @@ async def test_bias_temperature_and_filters(complete):
     assert await complete.text(**hot, seed=5, top_k=1) == greedy
     assert await complete.text(**hot, seed=5, top_p=1e-9) == greedy
     assert await complete.text(**hot, seed=5, min_p=1.0) == greedy
+
+
+async def test_min_tokens_holds_back_every_stop(complete):
+    """Before min_tokens tokens are out, end-of-generation and stop token
+    ids are not sampled and stop strings are not looked for; after, each
+    stops the output as before."""
+    baseline = await complete.text()
+    ended = await complete(ignore_eos=False, logit_bias={str(EOS): 100}, min_tokens=4)
+    assert ended["usage"]["completion_tokens"] == 5 and ended["choices"][0]["finish_reason"] == "stop"
+    first = VOCAB.index(baseline[0])
+    held = await complete(stop_token_ids=[first], min_tokens=3)
+    assert held["usage"]["completion_tokens"] > 3
+    stop = baseline[0]
+    cut = await complete.text(stop=[stop], min_tokens=3)
+    later = baseline.find(stop, 2)
+    assert cut == (baseline if later < 0 else baseline[:later])
+    # past the context a request cannot reach its min_tokens
+    response = await complete.client.post("/v1/completions", json={
+        "model": "tiny", "prompt": "x", "max_tokens": 2, "min_tokens": 3})
+    assert response.status == 400 and (await response.json())["error"]["param"] == "min_tokens"
 
 
 async def test_seed_reproduces(complete):

@@ -31,6 +31,11 @@ class TeapotError(Exception):
 
 
 @hookimpl
+def lockgate_add_request_fields(register):
+    register("teapot")
+
+
+@hookimpl
 def lockgate_validate_request(request):
     if request.body.get("teapot"):
         raise TeapotError("I refuse to brew " + str(request.body["teapot"]))
@@ -273,7 +278,8 @@ def test_cli_lists_plugins_and_hooks(installed_plugins):
         capture_output=True, text=True, env=env, check=True, timeout=120,
     )
     plugins = {p["name"]: p for p in json.loads(result.stdout)}
-    assert plugins["lockgate_teapot"]["hooks"] == ["lockgate_handle_exception", "lockgate_validate_request"]
+    assert plugins["lockgate_teapot"]["hooks"] == [
+        "lockgate_add_request_fields", "lockgate_handle_exception", "lockgate_validate_request"]
     assert plugins["lockgate_teapot"]["distribution"] == "lockgate-teapot 1.0"
     assert plugins["enqueue"]["hooks"] == ["lockgate_enqueue"]
     text = subprocess.run(
@@ -326,6 +332,8 @@ async def test_trace_plugins_logs_every_hook_call(monkeypatch, tiny_model, make_
     assert [
         {key: value for key, value in call.items() if key in ("hook", "plugins", "error")} for call in calls
     ] == [
+        # at start-up: which request fields the plugins read (none here)
+        {"hook": "lockgate_add_request_fields", "plugins": []},
         {"hook": "lockgate_validate_request", "plugins": [policy_name, "validate"]},
         {"hook": "lockgate_render_prompt", "plugins": ["template"]},
         {"hook": "lockgate_tokenize", "plugins": ["tokenize"]},

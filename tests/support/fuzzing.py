@@ -170,6 +170,57 @@ SAMPLING = {
     "response_format": RESPONSE_FORMATS,
 }
 
+#: regular expressions and grammars aimed at the grammar compiler (and its
+#: GBNF converter): unbalanced, left-recursive, exploding, huge, empty
+HOSTILE_GRAMMARS = [
+    "(", "[", "a{1000}{1000}", "(a+)+$", "(" * 300 + "a" + ")" * 300, "\\", "\\p{Bogus}",
+    "root ::= root", 'root ::= "a" root', "start: start", "root ::= x", 'root ::= "a" | ', "%import common",
+    "::=", "root ::= [^]", 'root ::= "\\xff"', "x" * 70_000, " ", "\\u0000", "start: /(?=a)/",
+]
+_CHOICES = st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=4)
+_REGEXES = st.one_of(st.sampled_from(["[a-z]{1,5}", "yes|no", "[0-9]+", ".{0,3}"]), st.sampled_from(HOSTILE_GRAMMARS))
+_GRAMMARS = st.one_of(st.sampled_from(['root ::= "yes" | "no"', 'start: "a"+', 'root ::= [0-9] [0-9]?']),
+                      st.sampled_from(HOSTILE_GRAMMARS))
+_JSON_SCHEMAS = st.one_of(SCHEMAS, st.sampled_from(HOSTILE_SCHEMAS))
+#: the extensions that act (lockgate.plugin_api.fields), sent as clients of
+#: vLLM, llama.cpp's server and SGLang send them
+EXTENSIONS = {
+    "min_tokens": st.integers(min_value=0, max_value=10),
+    "return_token_ids": st.booleans(),
+    "guided_choice": _CHOICES,
+    "guided_regex": _REGEXES,
+    "guided_grammar": _GRAMMARS,
+    "guided_json": _JSON_SCHEMAS,
+    "grammar": _GRAMMARS,
+    "json_schema": st.one_of(_JSON_SCHEMAS, _JSON_SCHEMAS.map(json.dumps)),
+    "regex": _REGEXES,
+    "ebnf": _GRAMMARS,
+    "structured_outputs": st.one_of(
+        st.fixed_dictionaries({"choice": _CHOICES}), st.fixed_dictionaries({"regex": _REGEXES}),
+        st.fixed_dictionaries({"grammar": _GRAMMARS}), st.fixed_dictionaries({"json": _JSON_SCHEMAS}),
+        st.just({"json_object": True}), st.just({"disable_any_whitespace": True, "choice": ["a", "b"]}),
+    ),
+    "reasoning_effort": st.sampled_from(["none", "low", "high", "bogus"]),
+    "store": st.booleans(),
+    "metadata": st.just({"k": "v"}),
+    "service_tier": st.sampled_from(["auto", "default"]),
+    "typical_p": st.sampled_from([1, 1.0, 0.9]),
+    "mirostat": st.sampled_from([0, 2]),
+}
+SAMPLING.update(EXTENSIONS)
+
+
+def _table_names() -> list[str]:
+    """Every field of every endpoint's table: what a client of some server sends."""
+    from lockgate.plugin_api.fields import FIELDS
+
+    return sorted({name for rows in FIELDS.values() for name in rows})
+
+
+#: fields to add to a body: any row of any table (refused, accepted, another
+#: endpoint's), and names no table has
+ADDED_FIELDS = st.one_of(st.sampled_from(_table_names()), st.from_regex(r"[a-z][a-z_]{0,14}", fullmatch=True))
+
 
 @st.composite
 def valid_body(draw, endpoint: str, model: str) -> dict[str, Any]:
@@ -298,10 +349,14 @@ def cases(draw, model: str = "tiny") -> Case:
         body = _replace(body, path, draw(FIELD_VALUES))
         mutation = f"field {'/'.join(map(str, path))}"
     elif kind == "add":
-        name = draw(st.sampled_from(sorted(SAMPLING) + ["tools", "tool_choice", "functions", "echo", "suffix",
-                                                        "best_of", "stream_options", "x-unknown", "n",
-                                                        "chat_template_kwargs", "prompt_logprobs", "thinking"]))
-        body = {**body, name: draw(FIELD_VALUES)}
+        name = draw(st.one_of(
+            st.sampled_from(sorted(SAMPLING) + ["tools", "tool_choice", "functions", "echo", "suffix",
+                                                "best_of", "stream_options", "x-unknown", "n",
+                                                "chat_template_kwargs", "prompt_logprobs", "thinking"]),
+            ADDED_FIELDS,
+        ))
+        value = draw(st.one_of(FIELD_VALUES, EXTENSIONS[name])) if name in EXTENSIONS else draw(FIELD_VALUES)
+        body = {**body, name: value}
         mutation = f"add {name}"
     elif kind == "drop" and body:
         name = draw(st.sampled_from(sorted(body)))

@@ -10,7 +10,7 @@ import pytest
 from lockgate.errors import LockgateError
 from lockgate.plugin_api.request import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, parse_request
 from lockgate.plugin_api.responses import parse_responses_request
-from lockgate.plugins.validate import check_size, check_unsupported
+from lockgate.plugins.validate import check_size
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -128,6 +128,40 @@ BAD = [
     (CHAT, chat(max_completion_tokens=0), "max_completion_tokens", "invalid_value"),
     (COMPLETIONS, completion(suffix="x"), "suffix", "unsupported_parameter"),
     (COMPLETIONS, completion(best_of=3), "best_of", "unsupported_parameter"),
+    # fail closed: a field in no row, one refused, one accepted of the wrong type
+    (CHAT, chat(foo_bar=1), "foo_bar", "unknown_parameter"),
+    (COMPLETIONS, completion(chat_template="x"), "chat_template", "unknown_parameter"),
+    (RESPONSES, {"model": "tiny", "input": "x", "messages": []}, "messages", "unknown_parameter"),
+    (CHAT, chat(typical_p=0.9), "typical_p", "unsupported_parameter"),
+    (CHAT, chat(audio={"voice": "alloy"}), "audio", "unsupported_parameter"),
+    (CHAT, chat(modalities=["text", "audio"]), "modalities", "unsupported_parameter"),
+    (CHAT, chat(prediction={"type": "content", "content": "x"}), "prediction", "unsupported_parameter"),
+    (CHAT, chat(verbosity="low"), "verbosity", "unsupported_parameter"),
+    (CHAT, chat(store="yes"), "store", "invalid_value"),
+    (CHAT, chat(reasoning_effort="high"), "reasoning_effort", "unsupported_parameter"),
+    (CHAT, chat(reasoning_effort="hard"), "reasoning_effort", "invalid_value"),
+    (RESPONSES, {"model": "tiny", "input": "x", "reasoning": {"effort": "low"}}, "reasoning.effort",
+     "unsupported_parameter"),
+    (RESPONSES, {"model": "tiny", "input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary",
+     "unsupported_parameter"),
+    (RESPONSES, {"model": "tiny", "input": "x", "text": {"verbosity": "high"}}, "text.verbosity",
+     "unsupported_parameter"),
+    # the extensions that constrain the output, read before any model is involved
+    (CHAT, chat(min_tokens=3), "min_tokens", "invalid_value"),
+    (CHAT, chat(min_tokens=-1), "min_tokens", "invalid_value"),
+    (CHAT, chat(return_token_ids="y"), "return_token_ids", "invalid_value"),
+    (CHAT, chat(guided_choice=[]), "guided_choice", "invalid_value"),
+    (CHAT, chat(guided_choice=["a", 1]), "guided_choice", "invalid_value"),
+    (CHAT, chat(guided_regex=""), "guided_regex", "invalid_value"),
+    (CHAT, chat(grammar="x" * 70_000), "grammar", "schema_too_complex"),
+    (CHAT, chat(json_schema="{not json"), "json_schema", "invalid_schema"),
+    (CHAT, chat(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs.choice", "invalid_value"),
+    (CHAT, chat(structured_outputs={"pattern": "a"}), "structured_outputs.pattern", "invalid_value"),
+    (CHAT, chat(structured_outputs={"whitespace_pattern": " "}), "structured_outputs.whitespace_pattern",
+     "unsupported_parameter"),
+    (CHAT, chat(response_format={"type": "json_object"}, guided_regex="a"), "guided_regex", "invalid_value"),
+    (COMPLETIONS, completion(regex="a", ebnf='root ::= "a"'), "ebnf", "invalid_value"),
+    (CHAT, chat(tools=[TOOL], guided_choice=["a"]), "guided_choice", "unsupported_parameter"),
 ]
 
 
@@ -144,6 +178,9 @@ BAD_FOR_THE_MODEL = [
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]),
      "tools[0].function.parameters", "invalid_schema"),
     (COMPLETIONS, completion(prompt=[1, 10**9]), "prompt", "invalid_value"),
+    (CHAT, chat(guided_regex="(unclosed"), "guided_regex", "invalid_schema"),
+    (CHAT, chat(structured_outputs={"grammar": "root ::= missing"}), "structured_outputs.grammar",
+     "invalid_schema"),
 ]
 
 
@@ -156,7 +193,6 @@ def refusal(route: str, body: dict) -> LockgateError | None:
         else:
             typed = parse_request(CHAT_ENDPOINT if route == CHAT else COMPLETIONS_ENDPOINT, body, request_id="t")
         check_size(typed)
-        check_unsupported(typed)
     except LockgateError as exc:
         return exc
     return None
@@ -190,7 +226,13 @@ async def test_invalid_parameters_are_400_with_param(tiny_model, make_client, ro
 GOOD = [
     (CHAT, chat(temperature=0, top_p=1, n=2, seed=-5, stop=["a", "b"], presence_penalty=-2,
                 frequency_penalty=2, logit_bias={"5": -100, "6": 100}, logprobs=False,
-                unknown_field={"ignored": True}, user="me", max_completion_tokens=3)),
+                user="me", max_completion_tokens=3)),
+    # fields accepted without effect, and refused ones at the values that ask for nothing
+    (CHAT, chat(store=False, metadata={"k": "v"}, service_tier="auto", prompt_cache_key="p", safety_identifier="s",
+                typical_p=1, mirostat=0, modalities=["text"], audio=None, verbosity="medium", echo=False,
+                reasoning_effort="none")),
+    (CHAT, chat(min_tokens=1, return_token_ids=True, structured_outputs={"regex": "[a-z]+",
+                                                                       "disable_any_whitespace": True})),
     (CHAT, chat(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None, "tool_calls": [
