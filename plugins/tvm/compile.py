@@ -120,10 +120,7 @@ def build_module(
     model = (network or default_network())(config, target, formats)
     config_: dict = {}
     if target.kind.name == "llvm":
-        from lockgate.plugins.tvm.kernels import cpu_attention_kernels
-
-        with cpu_attention_kernels():
-            mod, named_params = model.export_tvm(spec=model.export_spec())
+        mod, named_params = model.export_tvm(spec=model.export_spec())
         pipeline = cpu_pipeline()
     else:
         mod, named_params = model.export_tvm(spec=model.export_spec())

@@ -49,7 +49,8 @@ from lockgate.models.config import ModelConfig
 #: the plugin's sources every model library is compiled from (the network's
 #: own module is added per network)
 MODEL_SOURCES = (
-    "layers.py", "formats.py", "int8_matmul.py", "decoder.py", "rope.py", "kernels.py", "schedules.py", "pipelines.py", "compile.py",
+    "layers.py", "formats.py", "int8_matmul.py", "decoder.py", "rope.py", "paged_attention.py", "schedules.py",
+    "pipelines.py", "compile.py",
 )
 #: the sources the sampler's library is compiled from
 SAMPLER_SOURCES = ("sampler_kernels.py", "sampler_build.py", "schedules.py", "pipelines.py")
@@ -345,9 +346,10 @@ def build(request: dict, progress=None, network=None) -> bool:
     compiled = compile_model(
         config, target, cache_dir, progress, request["formats"], max_batch=request["max_batch"], network=network
     )
-    from lockgate.plugins.tvm.kernels import PAGE_SIZE
+    from lockgate.plugins.tvm.page_pool import PAGE_SIZE
 
-    limit = getattr(network, "max_prefill_chunk", lambda _config: None)(config)
+    kind = target.kind.name
+    limit = getattr(network, "max_prefill_chunk", lambda _config, _kind: None)(config, kind)
     record = {
         "library": compiled.library.name,
         "params": compiled.params,
@@ -358,7 +360,7 @@ def build(request: dict, progress=None, network=None) -> bool:
         "network": {
             "page_size": PAGE_SIZE,
             "max_prefill_chunk": None if limit is None else int(limit),
-            "shares_prefixes": bool(getattr(network, "shares_prefixes", lambda _config: True)(config)),
+            "shares_prefixes": bool(getattr(network, "shares_prefixes", lambda _config, _kind: True)(config, kind)),
         },
     }
     _write_record(cache_dir, request["key"], record)

@@ -1,6 +1,10 @@
-"""The decoder every built-in family shares: pre-norm attention over TVM's
+"""The decoder every built-in family shares: pre-norm attention over a
 paged KV cache with fused Q/K/V, a gated MLP, and a tied or separate LM
 head.
+
+The KV cache is lockgate's own on the CPU (`paged_attention.CPUPagedKV`:
+pools the executor owns, passed in with each step's page tables) and TVM's
+`PagedKVCache` on CUDA; the attention layers call both alike.
 
 What differs between the Llama-shaped families is read from the config:
 Q/K/V biases (Qwen2), per-head Q/K RMS norms (Qwen3), RoPE scaling (Llama
@@ -37,7 +41,7 @@ from lockgate.plugins.tvm.layers import (
     RMSNorm,
     linear,
 )
-from lockgate.plugins.tvm.kernels import exp2_approx
+from lockgate.plugins.tvm.paged_attention import PAGE_SIZE, CPUPagedKV, exp2_approx
 from lockgate.plugins.tvm.rope import rope_kernel
 
 
@@ -115,15 +119,18 @@ class Attention(nn.Module):
             )
         return qkv
 
-    def forward(self, x: Tensor, kv_cache: PagedKVCache, row_tile: int) -> Tensor:
+    def forward(self, x: Tensor, kv_cache: PagedKVCache | CPUPagedKV, row_tile: int) -> Tensor:
         b, s, _ = x.shape
         qkv = self._qkv(x, kv_cache, row_tile)
-        if self.kv_dtype != self.act_dtype:
+        # lockgate's cache takes the activations and stores float16 itself;
+        # TVM's takes and gives its own dtype
+        cast = self.kv_dtype != self.act_dtype and not isinstance(kv_cache, CPUPagedKV)
+        if cast:
             qkv = qkv.astype(self.kv_dtype)
         out = kv_cache.attention_with_fused_qkv(
             self.layer_id, qkv, self.num_heads, sm_scale=self.sm_scale
         )
-        if self.kv_dtype != self.act_dtype:
+        if cast:
             out = out.astype(self.act_dtype)
         return self.o_proj(op.reshape(out, (b, s, self.num_heads * self.head_dim)), row_tile)
 
@@ -188,22 +195,26 @@ class DecoderForCausalLM(nn.Module):
     """The exported model.
 
     Functions (see `export_spec`): `embed(input_ids)`, `batch_prefill(embeds,
-    logit_positions, kv)`, `batch_decode(embeds, kv)`, `decode_one(embeds, kv)`
-    and `create_tir_paged_kv_cache(max_batch, max_total_len, prefill_chunk, page)`.
-    A family changes a part by overriding `layer_class`, `embed`,
-    `final_logits` or `kv_cache_options`.
+    logit_positions, kv)`, `batch_decode(embeds, kv)`, `decode_one(embeds, kv)`,
+    and on CUDA `create_tir_paged_kv_cache(max_batch, max_total_len,
+    prefill_chunk, page)`. `kv` is TVM's cache object on CUDA; on the CPU
+    the pools and the step's page tables (`kv_inputs`), which
+    `page_pool.PagePool.step` builds. A family changes a part by overriding
+    `layer_class`, `embed`, `final_logits` or `kv_cache_options`.
     """
 
     layer_class = DecoderLayer
 
     @classmethod
-    def max_prefill_chunk(cls, config: ModelConfig) -> int | None:
-        """The most tokens one prefill call may carry for this network (None: no limit of its own)."""
+    def max_prefill_chunk(cls, config: ModelConfig, target_kind: str = "cuda") -> int | None:
+        """The most tokens one prefill call may carry for this network on
+        `target_kind` ("llvm" or "cuda"; None: no limit of its own)."""
         return None
 
     @classmethod
-    def shares_prefixes(cls, config: ModelConfig) -> bool:
-        """Whether forked sequences may share KV pages (`Executor.shares_prefixes`)."""
+    def shares_prefixes(cls, config: ModelConfig, target_kind: str = "cuda") -> bool:
+        """Whether forked sequences may share KV pages on `target_kind`
+        (`Executor.shares_prefixes`)."""
         return True
 
     def __init__(self, config: ModelConfig, target: Target, formats: dict | None = None) -> None:
@@ -240,23 +251,33 @@ class DecoderForCausalLM(nn.Module):
         """float32 logits of the final hidden states."""
         return self.lm_head(self.norm(hidden), row_tile, "float32")
 
-    def batch_prefill(
-        self, input_embeds: Tensor, logit_positions: Tensor, kv_cache: PagedKVCache
-    ):
-        hidden = self._body(input_embeds, kv_cache, PREFILL_ROW_TILE)
+    def _cache(self, kv_cache, *, prefill: bool):
+        """The cache the layers call: TVM's object as it is, or on the CPU
+        lockgate's over the function's inputs."""
+        if not self.cpu:
+            return kv_cache
+        return CPUPagedKV(kv_cache, prefill=prefill, config=self.config, options=self.kv_cache_options(),
+                          dtype=self.act_dtype, kv_dtype=self.kv_dtype)
+
+    def _returned(self, logits: Tensor, kv_cache):
+        # TVM's cache object is returned to the caller; lockgate's pools were updated in place
+        return (logits, kv_cache) if not self.cpu else logits
+
+    def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv_cache):
+        hidden = self._body(input_embeds, self._cache(kv_cache, prefill=True), PREFILL_ROW_TILE)
         # Only the rows whose logits are wanted go through the norm and head.
         hidden = op.take(hidden, logit_positions, axis=1)
-        return self.final_logits(hidden, 1), kv_cache
+        return self._returned(self.final_logits(hidden, 1), kv_cache)
 
-    def batch_decode(self, input_embeds: Tensor, kv_cache: PagedKVCache):
-        hidden = self._body(input_embeds, kv_cache, DECODE_ROW_TILE)
-        return self.final_logits(hidden, DECODE_ROW_TILE), kv_cache
+    def batch_decode(self, input_embeds: Tensor, kv_cache):
+        hidden = self._body(input_embeds, self._cache(kv_cache, prefill=False), DECODE_ROW_TILE)
+        return self._returned(self.final_logits(hidden, DECODE_ROW_TILE), kv_cache)
 
-    def decode_one(self, input_embeds: Tensor, kv_cache: PagedKVCache):
+    def decode_one(self, input_embeds: Tensor, kv_cache):
         """`batch_decode` for a batch of one (or a few): untiled rows waste
         no work on padding."""
-        hidden = self._body(input_embeds, kv_cache, 1)
-        return self.final_logits(hidden, 1), kv_cache
+        hidden = self._body(input_embeds, self._cache(kv_cache, prefill=False), 1)
+        return self._returned(self.final_logits(hidden, 1), kv_cache)
 
     def rope(self) -> tuple[dict, rx.Expr]:
         """The KV cache's RoPE scaling: (rope_scaling, rope_ext_factors).
@@ -302,7 +323,7 @@ class DecoderForCausalLM(nn.Module):
         page_size,
     ) -> PagedKVCache:
         c = self.config
-        with rope_kernel(cpu=self.cpu, factors=c.rope_freq_factors is not None):
+        with rope_kernel(factors=c.rope_freq_factors is not None):
             return TIRPagedKVCache(
                 max_batch_size=max_batch_size,
                 max_total_seq_len=max_total_seq_len,
@@ -330,6 +351,8 @@ class DecoderForCausalLM(nn.Module):
         hidden = self.config.hidden_size
         dtype = self.act_dtype
         packed = {"param_mode": "packed", "effect_mode": "none"}
+        if self.cpu:
+            return self._cpu_spec(hidden, dtype, packed)
         kv = nn.spec.Object(object_type=PagedKVCache)
         return {
             "embed": {
@@ -365,4 +388,38 @@ class DecoderForCausalLM(nn.Module):
                 "page_size": int,
                 "$": {"param_mode": "none", "effect_mode": "none"},
             },
+        }
+
+    def kv_inputs(self, *, prefill: bool) -> tuple:
+        """On the CPU, what a function's `kv_cache` argument is: the key and
+        value pools (`paged_attention`'s layouts), then each new token's
+        position and slot, each sequence's page list (indptr, values) and,
+        for a prefill, where each sequence's tokens start."""
+        c = self.config
+        pages = "num_pages"
+        tensors = (
+            nn.spec.Tensor([c.num_layers, pages, c.num_kv_heads, c.head_dim, PAGE_SIZE], self.kv_dtype),
+            nn.spec.Tensor([c.num_layers, pages, c.num_kv_heads, PAGE_SIZE, c.head_dim], self.kv_dtype),
+            nn.spec.Tensor(["num_tokens"], "int32"),
+            nn.spec.Tensor(["num_tokens"], "int32"),
+            nn.spec.Tensor(["batch_plus_one"], "int32"),
+            nn.spec.Tensor(["num_listed_pages"], "int32"),
+        )
+        return tensors + (nn.spec.Tensor(["batch_plus_one"], "int32"),) if prefill else tensors
+
+    def _cpu_spec(self, hidden: int, dtype: str, packed: dict) -> dict:
+        return {
+            "embed": {"input_ids": nn.spec.Tensor(["num_tokens"], "int32"), "$": packed},
+            "batch_prefill": {
+                "input_embeds": nn.spec.Tensor([1, "num_tokens", hidden], dtype),
+                "logit_positions": nn.spec.Tensor(["num_logits"], "int32"),
+                "kv_cache": self.kv_inputs(prefill=True),
+                "$": packed,
+            },
+            # the batch stays symbolic even for one sequence: with a static
+            # batch of one, dlight's CPU reduction rule recomputes rms_norm
+            # once per column
+            **{name: {"input_embeds": nn.spec.Tensor(["num_tokens", 1, hidden], dtype),
+                      "kv_cache": self.kv_inputs(prefill=False), "$": packed}
+               for name in ("batch_decode", "decode_one")},
         }

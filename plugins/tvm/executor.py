@@ -14,6 +14,7 @@ from lockgate.memory import Trimmer
 from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
 from lockgate.plugins.tvm import runtime
 from lockgate.plugins.tvm.device_logits import DeviceLogits, View
+from lockgate.plugins.tvm.kv import CPUCache, TVMCache
 from lockgate.plugins.tvm.settings import TVMOptions
 
 log = structlog.get_logger("lockgate.executor")
@@ -62,7 +63,6 @@ class TVMExecutor(Executor):
         )
 
         self._progress = options.progress or (lambda _msg: None)
-        self._Shape = runtime.Shape
         config = model_file.config
         self.config = config
         # the runtime alone answers this and finds a cached library: TVM's
@@ -133,33 +133,25 @@ class TVMExecutor(Executor):
         self._prefill = self._vm["batch_prefill"]
         self._decode = self._vm["batch_decode"]
         self._decode_one = self._vm["decode_one"]
-        f = runtime.get_global_func
-        self._add_seq = f("vm.builtin.kv_state_add_sequence")
-        self._remove_seq = f("vm.builtin.kv_state_remove_sequence")
-        self._fork_seq = f("vm.builtin.kv_state_fork_sequence")
-        self._begin = f("vm.builtin.kv_state_begin_forward")
-        self._end = f("vm.builtin.kv_state_end_forward")
-        self._available_pages = f("vm.builtin.attention_kv_cache_get_num_available_pages")
 
         page_size = self.page_size = facts["page_size"]
         self.max_num_seqs = options.max_num_seqs
-        # a network may bound its chunks (Gemma 3: no longer than its window)
+        # a network may bound its chunks (Gemma 3 on CUDA: no longer than its window)
         limit = facts["max_prefill_chunk"]
         self.prefill_chunk_size = min(options.prefill_chunk_size, limit or options.prefill_chunk_size)
         self.shares_prefixes = facts["shares_prefixes"]
         buckets = DECODE_BUCKETS if cuda else ()
         self._set_decode_buckets(buckets)
         pages = math.ceil(options.max_total_tokens / page_size)
-        # Padding sequences hold a page each during a step and none between
-        # steps: those pages are kept out of what the engine sees as free.
-        self._kv = self._vm["create_tir_paged_kv_cache"](
-            runtime.Shape([options.max_num_seqs + self._max_pad]),
-            runtime.Shape([(pages + self._max_pad) * page_size]),
-            # a decode batch past the buckets is one prefill of a token each
-            runtime.Shape([max(self.prefill_chunk_size, options.max_num_seqs if buckets else 0)]),
-            runtime.Shape([page_size]),
-        )
-        self.total_pages = int(self._available_pages(self._kv)) - self._max_pad
+        if cuda:
+            # Padding sequences hold a page each during a step and none
+            # between steps; a decode batch past the buckets is one prefill
+            # of a token each.
+            chunk = max(self.prefill_chunk_size, options.max_num_seqs if buckets else 0)
+            self._kv = TVMCache(self._vm, page_size, options.max_num_seqs, pages, chunk, self._max_pad)
+        else:
+            self._kv = CPUCache(config, pages, self.device)
+        self.total_pages = self._kv.total_pages
         self.max_sequence_length = min(config.context_length, self.total_pages * self.page_size)
         self.vocab_size = config.vocab_size
         self._lengths: dict[int, int] = {}
@@ -188,13 +180,13 @@ class TVMExecutor(Executor):
         seq_id = self._as_id(seq_id)
         if seq_id in self._lengths:
             raise ValueError(f"sequence {seq_id} already exists")
-        self._add_seq(self._kv, seq_id)
+        self._kv.add(seq_id)
         self._lengths[seq_id] = 0
 
     def remove_sequence(self, seq_id: int) -> None:
         self._check_open()
         seq_id = self._known(seq_id)
-        self._remove_seq(self._kv, seq_id)
+        self._kv.remove(seq_id)
         del self._lengths[seq_id]
 
     def fork_sequence(self, parent_id: int, child_id: int, position: int | None = None) -> None:
@@ -215,12 +207,12 @@ class TVMExecutor(Executor):
         # filled page at the fork position.
         if position % self.page_size and self.free_pages() < 1:
             raise ValueError(f"cannot fork sequence {parent_id}: no free KV page for the page at {position}")
-        self._fork_seq(self._kv, parent_id, child_id, position)
+        self._kv.fork(parent_id, child_id, position)
         self._lengths[child_id] = position
 
     def free_pages(self) -> int:
         self._check_open()
-        return int(self._available_pages(self._kv)) - self._max_pad
+        return self._kv.free_pages()
 
     def _set_decode_buckets(self, buckets: Sequence[int]) -> None:
         """Pad decode batches up to `buckets` (empty: never pad, as on the
@@ -267,8 +259,9 @@ class TVMExecutor(Executor):
                 for end, n, every in zip(ends, lengths, all_positions)
             ])
         rows = len(positions)
+        positions = self._to_device(positions)
         logits = self._forward(
-            ids, lengths, lambda: self._prefill(embeds.tensor, self._to_device(positions), self._kv, self._params)
+            ids, lengths, lambda kv: self._prefill(embeds.tensor, positions, kv, self._params), prefill=True
         )
         if total >= LARGE_PREFILL_TOKENS and self._trimmer is not None:
             self._trimmer.after_large_work()
@@ -292,7 +285,7 @@ class TVMExecutor(Executor):
             embeds = self._embed_tokens(tokens).view_as((1, n, self.config.hidden_size))
             positions = self._to_device(np.arange(n, dtype=np.int32))
             logits = self._forward(
-                ids, lengths, lambda: self._prefill(embeds.tensor, positions, self._kv, self._params)
+                ids, lengths, lambda kv: self._prefill(embeds.tensor, positions, kv, self._params), prefill=True
             )
             if self._sampler is not None:
                 return self._on_device(logits, n)
@@ -300,7 +293,7 @@ class TVMExecutor(Executor):
         pad = (bucket - n) if self._buckets else 0
         pad_ids = [_PAD_ID_BASE + i for i in range(pad)]
         for pad_id in pad_ids:
-            self._add_seq(self._kv, pad_id)
+            self._kv.add(pad_id)
         try:
             padded = np.concatenate([tokens, np.zeros(pad, dtype=np.int32)])
             embeds = self._embed_tokens(padded).view_as((n + pad, 1, self.config.hidden_size))
@@ -308,12 +301,12 @@ class TVMExecutor(Executor):
             logits = self._forward(
                 ids + pad_ids,
                 lengths + [1] * pad,
-                lambda: decode(embeds.tensor, self._kv, self._params),
+                lambda kv: decode(embeds.tensor, kv, self._params),
                 keep=n,
             )
         finally:
             for pad_id in pad_ids:
-                self._remove_seq(self._kv, pad_id)
+                self._kv.remove(pad_id)
         if self._sampler is not None:
             # the padding rows are left out of the index
             return self._on_device(logits, n)
@@ -351,17 +344,14 @@ class TVMExecutor(Executor):
 
     # helpers
 
-    def _forward(self, ids: list[int], lengths: list[int], run, keep: int | None = None):
-        """Run one step over `ids`; only the first `keep` (default all) are
+    def _forward(self, ids: list[int], lengths: list[int], run, keep: int | None = None, prefill: bool = False):
+        """Run one step over `ids` (`run(kv)` calls the compiled function
+        with the cache's argument); only the first `keep` (default all) are
         the caller's sequences, the rest padding. The logits as a host
         array, or the device tensor itself with device sampling on."""
-        self._begin(self._kv, self._Shape(ids), self._Shape(lengths))
         for seq_id, n in list(zip(ids, lengths))[:keep]:
             self._lengths[seq_id] += n
-        try:
-            out = run()
-        finally:
-            self._end(self._kv)
+        out = self._kv.forward(ids, lengths, run, prefill=prefill)
         logits = out if hasattr(out, "shape") else out[0]
         if self._sampler is not None:
             return logits

@@ -9,11 +9,12 @@ fails to parse (it tests a buffer for truth). `rope_kernel` has
 the cache build this kernel instead, which rotates halves (the layout the
 weight loader produces) with the factors the buffer holds.
 
-On the CPU `rope_cpu` replaces both: TVM's kernel computes θ^(2i/d) and the
-angle's cosine and sine for every element of every head (a quarter of a
-default-model prefill went to `powf` and `sincosf`); this one computes each
-token's angles once, with the same expressions (so the same values), and
-rotates all its Q and K heads with them, vectorized over the frequencies.
+On the CPU, whose KV cache is lockgate's own (`paged_attention`),
+`split_rotate_cpu` splits and rotates: TVM's kernel computes θ^(2i/d) and
+the angle's cosine and sine for every element of every head (a quarter of
+a default-model prefill went to `powf` and `sincosf`); this one computes
+each token's angles once, with the same expressions (so the same values),
+and rotates all its Q and K heads with them, vectorized over the frequencies.
 """
 
 from __future__ import annotations
@@ -92,34 +93,36 @@ def rope_with_frequency_factors(
     return fused_rope_with_factors
 
 
-def rope_cpu(
+def split_rotate_cpu(
     theta: float,
     scale: float,
     head_dim: int,
     num_q_heads: int,
     num_kv_heads: int,
     dtype: str,
-    rope_scaling: dict,
     rotary_dim: int | None = None,
+    *,
+    rotate: bool = True,
+    factors: bool = False,
 ):
-    """The cache's `tir_split_rotary` kernel for the CPU, with the signature
-    of `llama_rope_with_position_map` (an `apply_rope` flag) or, when
-    `rope_scaling` is the "longrope" the network sets for frequency factors,
-    of `rope_with_frequency_factors` (the `factors` buffer): tokens in
-    parallel, each token's cosines and sines computed once for all its heads.
-    """
+    """The CPU's split of fused Q/K/V into q, k and v with Q and K rotated
+    by halves (`rotate`; else only split), as `(qkv, positions[, factors],
+    q, k, v)`: the KV cache of `paged_attention` calls it through
+    `call_tir`. Tokens in parallel, each token's cosines and sines computed
+    once for all its heads, with the expressions of TVM's
+    `llama_rope_with_position_map` (so its values); with `factors`, the
+    `rotary_dim` divisors of Llama 3.1's frequencies (the half-size list
+    twice over)."""
     rotary_dim = rotary_dim or head_dim
     half = rotary_dim // 2
     fused_heads = num_q_heads + 2 * num_kv_heads
-    with_factors = rope_scaling.get("rope_type") == "longrope"
-    assert with_factors or not rope_scaling, f"rope_cpu: unsupported RoPE scaling {rope_scaling}"
 
-    def angle(position, i, factors):
+    def angle(position, i, factor_buffer):
         position = position.astype("float32") * tirx.const(scale, "float32")
         exponent = (2 * i).astype("float32") / tirx.const(rotary_dim, "float32")
-        if factors is None:  # TVM's `rope_freq_default`, term for term
+        if factor_buffer is None:  # TVM's `rope_freq_default`, term for term
             return position / tirx.power(tirx.const(theta, "float32"), exponent)
-        return position / (factors[i] * tirx.power(tirx.const(theta, "float32"), exponent))
+        return position / (factor_buffer[i] * tirx.power(tirx.const(theta, "float32"), exponent))
 
     def first(qkv, trig, s, h, i):  # feature i of a head rotated, i < half
         return trig[0, i] * qkv[s, h, i].astype("float32") + trig[1, i] * (-qkv[s, h, i + half]).astype("float32")
@@ -127,14 +130,16 @@ def rope_cpu(
     def second(qkv, trig, s, h, i):  # feature i + half
         return trig[0, i] * qkv[s, h, i + half].astype("float32") + trig[1, i] * qkv[s, h, i].astype("float32")
 
+    rotated = rotary_dim if rotate else 0
+
     @T.macro
-    def rotate_token(qkv, q, k, v, s, position, factors, rotate):
+    def split_token(qkv, q, k, v, s, position, factor_buffer):
         trig = T.sblock_alloc_buffer((2, half), "float32", scope="local")
         for i in T.serial(half):
-            trig[0, i] = T.cos(angle(position, i, factors))
-            trig[1, i] = T.sin(angle(position, i, factors))
+            trig[0, i] = T.cos(angle(position, i, factor_buffer))
+            trig[1, i] = T.sin(angle(position, i, factor_buffer))
         for h in T.serial(num_q_heads + num_kv_heads):
-            if rotate > 0:
+            if rotate:
                 for i in T.vectorized(half):
                     # (no let-bound temporaries: TVM 0.27's vectorizer gives every lane the last one's)
                     if h < num_q_heads:
@@ -143,8 +148,8 @@ def rope_cpu(
                     else:
                         k[s, h - num_q_heads, i] = T.Cast(dtype, first(qkv, trig, s, h, i))
                         k[s, h - num_q_heads, i + half] = T.Cast(dtype, second(qkv, trig, s, h, i))
-            # what is not rotated is copied: the features past `rotary_dim`, or all with rope off
-            for d in T.serial(T.if_then_else(rotate > 0, rotary_dim, 0), head_dim):
+            # what is not rotated is copied: the features past `rotary_dim`, or all without rotation
+            for d in T.serial(rotated, head_dim):
                 if h < num_q_heads:
                     q[s, h, d] = qkv[s, h, d]
                 else:
@@ -153,60 +158,55 @@ def rope_cpu(
             for d in T.vectorized(head_dim):
                 v[s, h, d] = qkv[s, num_q_heads + num_kv_heads + h, d]
 
-    def buffers(var_qkv, var_q, var_k, var_v, var_position_map, seq_len, offset):
+    def buffers(var_qkv, var_positions, var_q, var_k, var_v, seq_len):
         return (
             T.match_buffer(var_qkv, (seq_len, fused_heads, head_dim), dtype),
+            T.match_buffer(var_positions, (seq_len,), "int32"),
             T.match_buffer(var_q, (seq_len, num_q_heads, head_dim), dtype),
             T.match_buffer(var_k, (seq_len, num_kv_heads, head_dim), dtype),
             T.match_buffer(var_v, (seq_len, num_kv_heads, head_dim), dtype),
-            T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=offset),
         )
 
     @T.prim_func(s_tir=True)
-    def fused_rope_cpu(
-        var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle, var_v: T.handle,
-        apply_rope: T.int64,
-    ):
+    def split_rotate(var_qkv: T.handle, var_positions: T.handle, var_q: T.handle, var_k: T.handle,
+                     var_v: T.handle):
         T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})
         seq_len = T.int32()
-        offset = T.int32()
-        qkv, q, k, v, position_map = buffers(var_qkv, var_q, var_k, var_v, var_position_map, seq_len, offset)
+        qkv, positions, q, k, v = buffers(var_qkv, var_positions, var_q, var_k, var_v, seq_len)
         for s in T.parallel(seq_len):
-            with T.sblock("rope"):
-                T.reads(qkv[s, :, :], position_map[s])
+            with T.sblock("split_rotate"):
+                T.reads(qkv[s, :, :], positions[s])
                 T.writes(q[s, :, :], k[s, :, :], v[s, :, :])
-                rotate_token(qkv, q, k, v, s, position_map[s], None, apply_rope)
+                split_token(qkv, q, k, v, s, positions[s], None)
 
     @T.prim_func(s_tir=True)
-    def fused_rope_cpu_with_factors(
-        var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle, var_v: T.handle,
-        factors: T.Buffer((rotary_dim,), "float32"),  # type: ignore  # noqa: F821
+    def split_rotate_with_factors(
+        var_qkv: T.handle, var_positions: T.handle,
+        factor_buffer: T.Buffer((rotary_dim,), "float32"),  # type: ignore  # noqa: F821
+        var_q: T.handle, var_k: T.handle, var_v: T.handle,
     ):
         T.func_attr({"op_pattern": 8, "tirx.noalias": True, "tirx.is_scheduled": True})
         seq_len = T.int32()
-        offset = T.int32()
-        qkv, q, k, v, position_map = buffers(var_qkv, var_q, var_k, var_v, var_position_map, seq_len, offset)
+        qkv, positions, q, k, v = buffers(var_qkv, var_positions, var_q, var_k, var_v, seq_len)
         for s in T.parallel(seq_len):
-            with T.sblock("rope"):
-                T.reads(qkv[s, :, :], position_map[s], factors[:])
+            with T.sblock("split_rotate"):
+                T.reads(qkv[s, :, :], positions[s], factor_buffer[:])
                 T.writes(q[s, :, :], k[s, :, :], v[s, :, :])
-                rotate_token(qkv, q, k, v, s, position_map[s], factors, T.int64(1))
+                split_token(qkv, q, k, v, s, positions[s], factor_buffer)
 
-    return fused_rope_cpu_with_factors if with_factors else fused_rope_cpu
+    return split_rotate_with_factors if factors else split_rotate
 
 
 @contextlib.contextmanager
-def rope_kernel(cpu: bool, factors: bool):
-    """Have a `TIRPagedKVCache` built in the block rotate with lockgate's
-    kernel: `rope_cpu` on the CPU, `rope_with_frequency_factors` on CUDA
-    for a model with frequency factors, else TVM's own (the cache looks the
-    factory up as a module global when it is constructed)."""
+def rope_kernel(factors: bool):
+    """Have a `TIRPagedKVCache` (CUDA's) built in the block rotate with
+    `rope_with_frequency_factors` for a model with frequency factors, else
+    with TVM's own (the cache looks the factory up as a module global when
+    it is constructed)."""
     from tvm.relax.frontend.nn.llm import kv_cache
 
     original = kv_cache.llama_rope_with_position_map
-    if cpu:
-        kv_cache.llama_rope_with_position_map = rope_cpu
-    elif factors:
+    if factors:
         kv_cache.llama_rope_with_position_map = rope_with_frequency_factors
     try:
         yield

@@ -211,10 +211,10 @@ async def test_failure_inside_a_step_for_one_request(load_tiny, make_client, mon
             super().__init__(tokenizer, prompt_token_ids, stop=stop, **kwargs)
             self.fragile = "fragile" in stop
 
-        def add(self, token_id):
+        def add(self, token_id, **kwargs):
             if self.fragile:
                 raise ValueError("injected detokenizer failure")
-            return super().add(token_id)
+            return super().add(token_id, **kwargs)
 
     monkeypatch.setattr(lockgate.engine.state, "IncrementalDetokenizer", FragileDetokenizer)
     model = load_tiny()

@@ -145,8 +145,7 @@ def _tail(log) -> str:
 
 
 def prompts(count: int) -> list[str]:
-    # different from the first token on: no prefix is shared, so the prefix
-    # cache never changes a result (cached KV is merged in float16)
+    # different from the first token on: no prefix is shared between them
     return [f"{i} lamps light {i * 7} rooms" for i in range(count)]
 
 

@@ -51,6 +51,26 @@ Q4_K_M = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "
 Q5_K_M = Q4_K_M
 
 
+#: Llama 3.1's factors at the tiny head size: low frequencies divided by 8,
+#: the highest kept, a smooth band between (the shape llama.cpp's converter writes)
+LLAMA3_FACTORS = [1.0, 1.0, 1.0, 1.6, 3.2, 8.0, 8.0, 8.0]
+
+#: one tiny file per family and variant besides the plain llama: overrides
+#: of `TINY_CONFIG`
+FAMILY_VARIANTS = {
+    "llama3-rope-scaling": {"rope_freq_factors": LLAMA3_FACTORS},
+    "qwen2": {"architecture": "qwen2", "attention_bias": True, "tie_word_embeddings": False},
+    "qwen3": {"architecture": "qwen3", "qk_norm": True, "head_dim": 32, "rope_theta": 1000000.0},
+    # local layers of a 16-token window (prompts longer than it), every
+    # second layer global, soft-capped logits
+    "gemma3": {
+        "architecture": "gemma3", "qk_norm": True, "head_dim": 32, "num_layers": 4,
+        "sliding_window": 16, "sliding_window_pattern": 2, "rope_local_theta": 10000.0,
+        "rope_theta": 1000000.0, "final_logit_softcap": 30.0,
+    },
+}
+
+
 #: optional keys of a config, with what they default to
 FAMILY_DEFAULTS = {
     "architecture": "llama",

@@ -18,19 +18,20 @@ What differs from the shared decoder:
 The converter stores the norms' weights with Gemma's +1 already added, so
 they are plain RMS norms here.
 
-How the sliding window is kept: TVM's paged KV cache takes a kind per
-layer, and for `mha_sliding` layers it lists only the pages of each
-sequence's last `sliding_window` tokens and has the attention kernels mask
-to the window. Every layer keeps every token's keys all the same (pages are
-not freed per layer): the cache costs as much as a model of global layers,
-but attention on local layers reads at most a window. The cache applies
-one RoPE base to every layer, so this network rotates Q and K itself
-(`RopeMode.NONE` in the cache) with each layer's base, at the query
-positions the cache reports. The cache's chunk of a prompt's own keys is
-attended without the window's mask, so the executor keeps prefill chunks
-no longer than the window (`max_prefill_chunk`), and forked sequences
-(prefix sharing) would see their shared part's window measured from its
-own end, so the executor turns prefix sharing off for this family.
+How the sliding window is kept: both KV caches take a kind per layer
+(`mha_sliding` for the local ones) and every layer keeps every token's keys
+(pages are not freed per layer: the cache costs as much as a model of global
+layers), but attention on local layers reads at most a window. The caches
+apply one RoPE base to every layer, so this network rotates Q and K itself
+(`RopeMode.NONE`) with each layer's base, at the query positions the cache
+reports. On the CPU (`paged_attention`) each query sees the window of keys
+before its own position, whoever holds them: prompts chunk freely and
+share prefixes. TVM's cache (CUDA) lists only the pages of each sequence's
+last `sliding_window` tokens and attends a prompt chunk's own keys without
+the window's mask, so there the executor keeps prefill chunks no longer
+than the window (`max_prefill_chunk`), and since a forked sequence would
+see its shared part's window measured from that part's own end, it turns
+prefix sharing off.
 """
 
 from __future__ import annotations
@@ -136,14 +137,15 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         super().__init__(config, target, formats)
 
     @classmethod
-    def max_prefill_chunk(cls, config: ModelConfig) -> int | None:
-        # a chunk's own keys are attended without the window's mask
-        return config.sliding_window or None
+    def max_prefill_chunk(cls, config: ModelConfig, target_kind: str = "cuda") -> int | None:
+        # TVM's cache attends a chunk's own keys without the window's mask;
+        # the CPU's masks every key by its position
+        return None if target_kind == "llvm" else config.sliding_window or None
 
     @classmethod
-    def shares_prefixes(cls, config: ModelConfig) -> bool:
-        # a fork's shared part would be windowed from its own end
-        return not any(local_layers(config))
+    def shares_prefixes(cls, config: ModelConfig, target_kind: str = "cuda") -> bool:
+        # in TVM's cache a fork's shared part would be windowed from its own end
+        return target_kind == "llvm" or not any(local_layers(config))
 
     def embed(self, input_ids: Tensor) -> Tensor:
         rows = super().embed(input_ids)

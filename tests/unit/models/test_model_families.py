@@ -11,8 +11,9 @@ import pytest
 
 
 from reference_model import reference_logits  # noqa: E402
-from tiny_model import write_tiny_gguf  # noqa: E402
+from tiny_model import FAMILY_VARIANTS as VARIANTS, LLAMA3_FACTORS, write_tiny_gguf  # noqa: E402
 
+from lockgate.engine import EngineOptions  # noqa: E402
 from lockgate.errors import ModelLoadError  # noqa: E402
 from lockgate.models.config import ModelConfig  # noqa: E402
 from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
@@ -22,25 +23,6 @@ from lockgate.models.loading import open_model, registered_families  # noqa: E40
 
 PROMPT = [1, 70, 71, 72, 260, 261, 262, 30, 40, 50, 2, 198, 45, 46, 47, 48, 49, 51, 52]
 DECODE_TOKENS = [265, 3, 100, 290]
-
-#: Llama 3.1's factors at this head size: low frequencies divided by 8, the
-#: highest kept, a smooth band between (the shape llama.cpp's converter writes)
-LLAMA3_FACTORS = [1.0, 1.0, 1.0, 1.6, 3.2, 8.0, 8.0, 8.0]
-
-#: one tiny file per family and variant: (overrides of the tiny config)
-VARIANTS = {
-    "llama3-rope-scaling": {"rope_freq_factors": LLAMA3_FACTORS},
-    "qwen2": {"architecture": "qwen2", "attention_bias": True, "tie_word_embeddings": False},
-    "qwen3": {"architecture": "qwen3", "qk_norm": True, "head_dim": 32, "rope_theta": 1000000.0},
-    # local layers of a 16-token window (the prompt is longer), every
-    # second layer global, soft-capped logits
-    "gemma3": {
-        "architecture": "gemma3", "qk_norm": True, "head_dim": 32, "num_layers": 4,
-        "sliding_window": 16, "sliding_window_pattern": 2, "rope_local_theta": 10000.0,
-        "rope_theta": 1000000.0, "final_logit_softcap": 30.0,
-    },
-}
-
 
 @pytest.fixture(scope="module")
 def family_files(tmp_path_factory) -> dict[str, pathlib.Path]:
@@ -161,13 +143,13 @@ def test_a_qwen2_file_without_biases_is_refused(tmp_path, compile_cache):
         create_executor(ModelFile(path, config), ExecutorOptions.of(cache_dir=compile_cache))
 
 
-def test_a_sliding_window_model_shares_no_prefixes(family_files, compile_cache):
-    """Gemma 3's cache cannot fork a sequence (its windows would be measured
-    from the shared part's end): no prefix cache, n of 1, a clear refusal."""
-    from lockgate.engine import EngineOptions
-    from lockgate.errors import TooManyChoices
-    from lockgate.engine.params import SamplingParams
-    from lockgate.engine.work import Work
+def test_a_sliding_window_model_shares_prefixes_on_the_cpu(family_files, compile_cache):
+    """Gemma 3's local layers mask each key by its position, whoever holds
+    it: on the CPU its prompts chunk freely, its sequences fork, and a
+    prefix read from a fork answers as the prompt computed whole (a window
+    of 16 here, so every prompt below crosses it)."""
+    import numpy as np
+
     from lockgate.models.loading import load_model
 
     model = load_model(
@@ -177,15 +159,20 @@ def test_a_sliding_window_model_shares_no_prefixes(family_files, compile_cache):
         engine_options=EngineOptions(),
     )
     try:
-        assert model.executor.shares_prefixes is False
-        assert model.executor.prefill_chunk_size == 16
-        assert model.engine.scheduler.cache is None
-        assert model.engine.max_n == 1
-        with pytest.raises(TooManyChoices, match="n must be 1 for this model: its sliding-window attention"):
-            model.engine.add(Work(request_id="r", prompt_token_ids=[1, 2, 3], params=SamplingParams(n=2)))
-        model.executor.add_sequence(1)
-        model.executor.prefill([1], [[1, 2, 3]])
-        with pytest.raises(ValueError, match="cannot be forked"):
-            model.executor.fork_sequence(1, 2)
+        ex = model.executor
+        assert ex.shares_prefixes and ex.prefill_chunk_size > 16
+        assert model.engine.scheduler.cache is not None and model.engine.max_n > 1
+        prompt = list(range(3, 43))
+        ex.add_sequence(1)
+        whole = ex.prefill([1], [prompt])[0]
+        ex.fork_sequence(1, 2, 29)
+        forked = ex.prefill([2], [prompt[29:]])[0]
+        np.testing.assert_array_equal(forked, whole)
+        ex.remove_sequence(2)
+        ex.add_sequence(3)
+        ex.prefill([3], [prompt[:20]])
+        np.testing.assert_array_equal(ex.prefill([3], [prompt[20:]])[0], whole)
+        for seq in (1, 3):
+            ex.remove_sequence(seq)
     finally:
         model.close()
