@@ -318,16 +318,6 @@ class Engine:
                 rows.append(row)
         return ready, rows
 
-    def _without_stops(self, allowed: np.ndarray | None, params, width: int) -> np.ndarray | None:
-        """`allowed` (None: every token) less the tokens that would end the
-        output (end-of-generation and the request's stop token ids), for a
-        choice short of its `min_tokens`; where a grammar allows nothing
-        else, it has ended the output, and `allowed` stays as it is."""
-        stops = [t for t in (*self.stop_checker.eos_token_ids, *params.stop_token_ids) if 0 <= t < width]
-        mask = np.ones(width, dtype=bool) if allowed is None else allowed.copy()
-        mask[stops] = False
-        return mask if mask.any() else allowed
-
     def _sample(self, choices: list[Choice], logits: np.ndarray, events: Events) -> None:
         """Sample the next token of each choice and apply the stop rules.
         `logits` is what the executor returned, rows selected; its own
@@ -360,7 +350,7 @@ class Engine:
             state = choice.request
             params = state.params
             if len(choice.output_ids) < params.min_tokens:
-                allowed = self._without_stops(allowed, params, logits.shape[1])
+                allowed = self.stop_checker.held_back(allowed, params, logits.shape[1])
             rng = None if params.greedy else choice.rng
             rows.append(SamplingRow(params, rng, state.prompt_ids, choice.output_ids, allowed))
             sampled.append(choice)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from lockgate.engine.handle import Delta
+from lockgate.engine.params import SamplingParams
 from lockgate.engine.sampling import TokenLogprob
 from lockgate.engine.state import Choice
 
@@ -25,6 +28,16 @@ class StopChecker:
 
     def __init__(self, eos_token_ids: Iterable[int]) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
+
+    def held_back(self, allowed: np.ndarray | None, params: SamplingParams, width: int) -> np.ndarray | None:
+        """`allowed` (None: every token of `width`) less the tokens that would
+        end the output (end-of-generation and the request's stop token ids),
+        for a choice short of its `min_tokens`; where a grammar allows
+        nothing else, it has ended the output, and `allowed` stays as it is."""
+        stops = [t for t in (*self.eos_token_ids, *params.stop_token_ids) if 0 <= t < width]
+        mask = np.ones(width, dtype=bool) if allowed is None else allowed.copy()
+        mask[stops] = False
+        return mask if mask.any() else allowed
 
     def accept(self, choice: Choice, token: int, logprob: TokenLogprob | None) -> Delta:
         params = choice.request.params

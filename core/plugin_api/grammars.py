@@ -17,7 +17,6 @@ llguidance's top-level `"x-guidance"` key.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -27,14 +26,14 @@ import llguidance
 import numpy as np
 import structlog
 
-from lockgate.engine.structured import Grammar, MatcherError, _unenforced_keywords
+from lockgate.engine.structured import Grammar, MatcherError
 from lockgate.errors import InvalidSchema, LockgateError, UnsupportedParameter
 from lockgate.native import run_with_large_stack
+from lockgate.plugin_api.grammar_errors import invalid as _invalid
 from lockgate.plugin_api.schema_limits import (
     MAX_SCHEMA_EXPANDED_DEPTH,
     MAX_SCHEMA_NESTING,
     MAX_SCHEMA_NODES,
-    SUBJECT,
     check_schema_limits,
 )
 
@@ -70,8 +69,6 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 # Error texts without the parser state and the whole grammar appended: the
 # message goes back to the client, which already has its schema.
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
-_MAX_LINE = 160
-_MAX_LINES = 8
 
 # tokenizer -> {eos ids -> LLTokenizer}. Building an LLTokenizer walks the
 # whole vocabulary (most of a second for 49k tokens), so it is done once per
@@ -308,65 +305,6 @@ def _walk(compiled: Grammar, what: str) -> None:
             raise _invalid(f"the {what} is too complex to follow ({exc.reason})", what) from exc
         if matcher.is_finished:
             return
-
-
-def _invalid(reason: str, what: str = "JSON schema") -> InvalidSchema:
-    """A 400 that says in a sentence what is wrong with the client's
-    schema (or regular expression, or grammar: `what`), from llguidance's
-    account of it."""
-    return InvalidSchema(_explained(reason, what), subject=SUBJECT)
-
-
-def _explained(reason: str, what: str = "JSON schema") -> str:
-    reason = _compiler_message(reason)
-    keywords = _unenforced_keywords(reason)
-    if keywords:
-        it = "it" if len(keywords) == 1 else "them"
-        return (
-            f"the schema uses {_listed(keywords)}, which lockgate cannot enforce while generating, and a "
-            f"strict schema may only use keywords that are enforced (remove {it}, or leave strict off to "
-            f"have {it} accepted and not enforced)"
-        )
-    pointer = _DANGLING.search(reason)
-    if pointer:
-        return f"the $ref '#{pointer[1]}' points at nothing in this schema (no '{pointer[1]}' in it)"
-    remote = _REMOTE.search(reason)
-    if remote:
-        return (
-            f"the $ref '{remote[1]}' names a schema outside this one, which lockgate does not fetch; "
-            "put it under $defs and refer to it as '#/$defs/...'"
-        )
-    # llguidance quotes the offending part of the schema, which may be huge,
-    # on its own line (a regex error puts the reason after the pattern):
-    # shorten long lines rather than cut the end off.
-    lines = [
-        line if len(line) <= _MAX_LINE else line[: _MAX_LINE - 1] + "…"
-        for line in reason.splitlines()
-    ]
-    if reason.startswith("the ") and ("admits no" in reason or "too complex" in reason):
-        return reason
-    return f"invalid {what}: " + "\n".join(lines[:_MAX_LINES])
-
-
-#: where llguidance's account of a grammar error begins, after its position
-#: and "failed to compile JSON schema" (and before any grammar text)
-_COMPILER_PREFIX = re.compile(r"^(?:at \d+\(\d+\): )?(?:failed to compile JSON schema: )?")
-_DANGLING = re.compile(r"Pointer '([^']*)' does not exist")
-_REMOTE = re.compile(r"Resource '([^']*)' is not present in a registry")
-
-
-def _compiler_message(reason: str) -> str:
-    # the first line is llguidance's account; the lines after it, where a
-    # grammar failed, quote the grammar text, which is ours, not the client's
-    lines = reason.strip().splitlines() or [""]
-    first = _COMPILER_PREFIX.sub("", lines[0])
-    if first.startswith("regex parse error"):
-        return "\n".join([first, *lines[1:]])
-    return first
-
-
-def _listed(items: Sequence[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _llg_tokenizer(tokenizer, eos_token_ids: Sequence[int] | None) -> llguidance.LLTokenizer:

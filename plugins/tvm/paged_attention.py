@@ -102,9 +102,9 @@ def _window_start(window: int):
 
 
 @T.macro
-def _attend_lanes(q, d, half, lane_row, lane_head, lanes, h_kv, first_page, num_pages, positions, start,
+def _attend_lanes(width, q, d, half, lane_row, lane_head, lanes, h_kv, first_page, num_pages, positions, start,
                   k_pool, v_pool, layer, page_values, sm_scale, output):
-    """Attention of up to `_LANES` queries that share a KV head `h_kv` and a
+    """Attention of up to `width` (1 or `_LANES`) queries that share a KV head `h_kv` and a
     sequence (its pages `page_values[first_page : first_page + num_pages]`):
     lane `r` below `lanes` is query row `lane_row(r)` of head `lane_head(r)`,
     at position `positions[lane_row(r)]`, and sees the keys at positions
@@ -114,49 +114,49 @@ def _attend_lanes(q, d, half, lane_row, lane_head, lanes, h_kv, first_page, num_
     What a lane computes is the same whatever the other lanes are: a block
     none of a lane's keys are in leaves its state as it was, and a key it
     does not see weighs exactly zero."""
-    qf = T.sblock_alloc_buffer((_LANES, d), "float32", scope="local")
-    acc = T.sblock_alloc_buffer((_LANES, d), "float32", scope="local")
-    s = T.sblock_alloc_buffer((_LANES, PAGE_SIZE), "float32", scope="local")
-    s_high = T.sblock_alloc_buffer((_LANES, PAGE_SIZE), "float32", scope="local")
+    qf = T.sblock_alloc_buffer((width, d), "float32", scope="local")
+    acc = T.sblock_alloc_buffer((width, d), "float32", scope="local")
+    s = T.sblock_alloc_buffer((width, PAGE_SIZE), "float32", scope="local")
+    s_high = T.sblock_alloc_buffer((width, PAGE_SIZE), "float32", scope="local")
     # per lane: running maximum, running denominator
-    state = T.sblock_alloc_buffer((_LANES, 2), "float32", scope="local")
+    state = T.sblock_alloc_buffer((width, 2), "float32", scope="local")
     # per lane: first and end of its keys; then the lanes' first and end
-    seen = T.sblock_alloc_buffer((_LANES + 1, 2), "int32", scope="local")
+    seen = T.sblock_alloc_buffer((width + 1, 2), "int32", scope="local")
     scale: T.let[T.float32] = sm_scale * T.float32(_LOG2E)
-    seen[_LANES, 0] = T.int32(2**30)
-    seen[_LANES, 1] = T.int32(0)
-    for r in T.unroll(_LANES):
+    seen[width, 0] = T.int32(2**30)
+    seen[width, 1] = T.int32(0)
+    for r in T.unroll(width):
         lane: T.let[T.int32] = T.min(r, lanes - 1)
         row: T.let[T.int32] = lane_row(lane)
         head: T.let[T.int32] = lane_head(lane)
         seen[r, 1] = positions[row] + 1
         seen[r, 0] = start(seen[r, 1])
-        seen[_LANES, 0] = T.min(seen[_LANES, 0], seen[r, 0])
-        seen[_LANES, 1] = T.max(seen[_LANES, 1], seen[r, 1])
+        seen[width, 0] = T.min(seen[width, 0], seen[r, 0])
+        seen[width, 1] = T.max(seen[width, 1], seen[r, 1])
         for i in T.vectorized(d):
             qf[r, i] = T.Cast("float32", q[row, head, i]) * scale
         for i in T.vectorized(d):
             acc[r, i] = T.float32(0)
         state[r, 0] = T.float32(_NO_SCORE)
         state[r, 1] = T.float32(0)
-    lanes_first: T.let[T.int32] = seen[_LANES, 0]
-    lanes_end: T.let[T.int32] = T.min(seen[_LANES, 1], num_pages * PAGE_SIZE)
+    lanes_first: T.let[T.int32] = seen[width, 0]
+    lanes_end: T.let[T.int32] = T.min(seen[width, 1], num_pages * PAGE_SIZE)
     for p in T.serial(lanes_first // PAGE_SIZE, (lanes_end + PAGE_SIZE - 1) // PAGE_SIZE):
         page: T.let[T.int32] = page_values[first_page + p]
-        for r in T.unroll(_LANES):
+        for r in T.unroll(width):
             for j in T.vectorized(PAGE_SIZE):
                 s[r, j] = T.float32(0)
                 s_high[r, j] = T.float32(0)
         for c in T.serial(half):
-            for r in T.unroll(_LANES):
+            for r in T.unroll(width):
                 for j in T.vectorized(PAGE_SIZE):
                     s[r, j] = s[r, j] + qf[r, c] * T.Cast("float32", k_pool[layer, page, h_kv, c, j])
                     s_high[r, j] = s_high[r, j] + qf[r, c + half] * T.Cast(
                         "float32", k_pool[layer, page, h_kv, c + half, j])
-        for r in T.unroll(_LANES):
+        for r in T.unroll(width):
             for j in T.vectorized(PAGE_SIZE):
                 s[r, j] = s[r, j] + s_high[r, j]
-        for r in T.unroll(_LANES):
+        for r in T.unroll(width):
             if p * PAGE_SIZE + PAGE_SIZE > seen[r, 0] and p * PAGE_SIZE < seen[r, 1]:
                 for j in T.vectorized(PAGE_SIZE):
                     s[r, j] = T.if_then_else(
@@ -179,11 +179,11 @@ def _attend_lanes(q, d, half, lane_row, lane_head, lanes, h_kv, first_page, num_
         j_end: T.let[T.int32] = T.min(lanes_end - p * PAGE_SIZE, PAGE_SIZE)
         for c in T.serial(d // PAGE_SIZE):
             for j in T.serial(j_first, j_end):
-                for r in T.unroll(_LANES):
+                for r in T.unroll(width):
                     for i in T.vectorized(PAGE_SIZE):
                         acc[r, c * PAGE_SIZE + i] = acc[r, c * PAGE_SIZE + i] + s[r, j] * T.Cast(
                             "float32", v_pool[layer, page, h_kv, j, c * PAGE_SIZE + i])
-    for r in T.unroll(_LANES):
+    for r in T.unroll(width):
         if r < lanes:
             if state[r, 1] > T.float32(0):
                 for i in T.vectorized(d):
@@ -264,7 +264,7 @@ def attend_prefill(h_kv: int, h_q: int, d: int, dtype: str, kv_dtype: str, windo
                     head: T.let[T.int32] = work // tiles
                     row0: T.let[T.int32] = q_first + (work % tiles) * _LANES
                     _attend_lanes(
-                        q, d, d // 2, lambda r: row0 + r, lambda r: head, T.min(_LANES, q_first + q_len - row0),
+                        _LANES, q, d, d // 2, lambda r: row0 + r, lambda r: head, T.min(_LANES, q_first + q_len - row0),
                         head // group, page_indptr[b], page_indptr[b + 1] - page_indptr[b], positions, start,
                         k_pool, v_pool, layer, page_values, sm_scale, output,
                     )
@@ -272,11 +272,19 @@ def attend_prefill(h_kv: int, h_q: int, d: int, dtype: str, kv_dtype: str, windo
     return attend_prefill
 
 
+#: decode batches of fewer (sequence, KV head) pairs than this give each
+#: query head its own work item, so that two threads share even a batch of
+#: one; larger ones let a group's heads share each load of the keys
+_WIDE_DECODE = 8
+
+
 def attend_decode(h_kv: int, h_q: int, d: int, dtype: str, kv_dtype: str, window: int = 0):
     """Attention of one query per sequence (`q`: (batch, heads, d)) over its
-    pages: work items are (sequence, KV head, up to four of the query heads
+    pages. Work items are (sequence, KV head, up to four of the query heads
     that share it), so the heads of a group share each load of the keys;
-    each query computes exactly what `attend_prefill` would for it."""
+    a batch of fewer than `_WIDE_DECODE` (sequence, KV head) pairs takes
+    one query head an item instead, so that the threads share it. Either
+    way each query computes exactly what `attend_prefill` would for it."""
     group = h_q // h_kv
     tiles = (group + _LANES - 1) // _LANES
     start = _window_start(window)
@@ -294,19 +302,34 @@ def attend_decode(h_kv: int, h_q: int, d: int, dtype: str, kv_dtype: str, window
         page_indptr = T.match_buffer(var_page_indptr, (batch + 1,), "int32")
         page_values = T.match_buffer(var_page_values, (nnz,), "int32")
         output = T.match_buffer(var_output, (batch, h_q, d), dtype)
-        for work in T.parallel(batch * h_kv * tiles):
-            with T.sblock("attend"):
-                T.reads(q[:, :, :], k_pool[layer, :, :, :, :], v_pool[layer, :, :, :, :], positions[:],
-                        page_indptr[:], page_values[:])
-                T.writes(output[:, :, :])
-                b: T.let[T.int32] = work // (h_kv * tiles)
-                kv_head: T.let[T.int32] = work % (h_kv * tiles) // tiles
-                head0: T.let[T.int32] = kv_head * group + work % tiles * _LANES
-                _attend_lanes(
-                    q, d, d // 2, lambda r: b, lambda r: head0 + r, T.min(_LANES, kv_head * group + group - head0),
-                    kv_head, page_indptr[b], page_indptr[b + 1] - page_indptr[b], positions, start,
-                    k_pool, v_pool, layer, page_values, sm_scale, output,
-                )
+        if batch * h_kv >= _WIDE_DECODE:
+            for work in T.parallel(batch * h_kv * tiles):
+                with T.sblock("attend"):
+                    T.reads(q[:, :, :], k_pool[layer, :, :, :, :], v_pool[layer, :, :, :, :], positions[:],
+                            page_indptr[:], page_values[:])
+                    T.writes(output[:, :, :])
+                    b: T.let[T.int32] = work // (h_kv * tiles)
+                    kv_head: T.let[T.int32] = work % (h_kv * tiles) // tiles
+                    head0: T.let[T.int32] = kv_head * group + work % tiles * _LANES
+                    _attend_lanes(
+                        _LANES, q, d, d // 2, lambda r: b, lambda r: head0 + r,
+                        T.min(_LANES, kv_head * group + group - head0), kv_head, page_indptr[b],
+                        page_indptr[b + 1] - page_indptr[b], positions, start,
+                        k_pool, v_pool, layer, page_values, sm_scale, output,
+                    )
+        else:
+            for work in T.parallel(batch * h_q):
+                with T.sblock("attend_narrow"):
+                    T.reads(q[:, :, :], k_pool[layer, :, :, :, :], v_pool[layer, :, :, :, :], positions[:],
+                            page_indptr[:], page_values[:])
+                    T.writes(output[:, :, :])
+                    b: T.let[T.int32] = work // h_q
+                    head: T.let[T.int32] = work % h_q
+                    _attend_lanes(
+                        1, q, d, d // 2, lambda r: b, lambda r: head, 1, head // group, page_indptr[b],
+                        page_indptr[b + 1] - page_indptr[b], positions, start,
+                        k_pool, v_pool, layer, page_values, sm_scale, output,
+                    )
 
     return attend_decode
 

@@ -140,6 +140,16 @@ def test_a_query_is_the_same_bits_in_decode_and_in_any_prefill():
     extra = _qkv(rng, 1, 6, 2, 32)
     out, _ = cache.run([other, seq], [extra[0], q[36:]], [extra[1], k[36:]], [extra[2], v[36:]], decode=True)
     results.append(out[1])
+    # a batch wide enough that a group's heads share each load (four sequences of two KV heads)
+    others = [fresh(seq) for seq in (5, 6, 7)]
+    for seq in others:
+        cache.run([seq], *map(lambda a: [a], _qkv(rng, 9, 6, 2, 32)))
+    seq = fresh(8)
+    cache.run([seq], [q[:36]], [k[:36]], [v[:36]])
+    extra = [_qkv(rng, 1, 6, 2, 32) for _ in others]
+    out, _ = cache.run([*others, seq], [e[0] for e in extra] + [q[36:]], [e[1] for e in extra] + [k[36:]],
+                       [e[2] for e in extra] + [v[36:]], decode=True)
+    results.append(out[3])
     # forked from a sequence holding the prefix (mid-page and on a page boundary)
     for at in (36, 32):
         child = 100 + at
