@@ -67,6 +67,11 @@ def _compiler_message(reason: str) -> str:
     first = _COMPILER_PREFIX.sub("", lines[0])
     if first.startswith("regex parse error"):
         return "\n".join([first, *lines[1:]])
+    if first.endswith("regex parse error:"):
+        # a client's regular expression: the regex crate's reason, without
+        # the grammar lockgate wrapped it in
+        detail = next((line.strip() for line in lines[1:] if line.strip().startswith("error:")), "")
+        return f"{first} {detail.removeprefix('error:').strip()}".rstrip()
     return first
 
 

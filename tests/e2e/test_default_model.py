@@ -163,3 +163,20 @@ async def test_stream_equals_whole_field_for_field(default_model, make_openai, e
     assert len(tokens) == whole["usage"]["completion_tokens"] > 0
     # the case this test is for did happen
     assert streamed["chunks with logprobs and no text"] > 0
+
+
+async def test_the_readme_example_prints_what_the_server_answers(default_model_int8, make_openai):
+    """The README's first example, as `lockgate serve` runs it (8-bit
+    activations), streamed: its comment is the answer, asked cold and again."""
+    from paths import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    example = readme[readme.index("from openai import OpenAI"):]
+    printed = example[example.index("\n# ") + 3:example.index("\n```")]
+    client = await make_openai(default_model_int8)
+    for _ in range(2):
+        stream = await client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=32, temperature=0, stream=True,
+        )
+        assert "".join([c.choices[0].delta.content or "" async for c in stream]) == printed

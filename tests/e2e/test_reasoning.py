@@ -249,6 +249,34 @@ async def test_enable_thinking_reaches_the_template(qwen3, make_client):
     assert (message["reasoning_content"], message["content"]) == (None, ANSWER)
 
 
+async def prompt_text(client, body) -> str:
+    tokens = (await (await client.post("/tokenize", json=body)).json())["tokens"]
+    return (await (await client.post("/detokenize", json={"tokens": tokens})).json())["prompt"]
+
+
+async def test_reasoning_effort_is_the_thinking_switch(qwen3, make_client):
+    """OpenAI's `reasoning_effort` (Responses: `reasoning.effort`): `none`
+    closes the thinking in the prompt as `enable_thinking: false` does, any
+    other effort leaves it open; one that contradicts enable_thinking is a 400."""
+    set_script(qwen3, ANSWER)
+    client = await make_client(qwen3)
+    base = {"model": "tiny", "messages": MESSAGES, "max_tokens": 50}
+    off = await prompt_text(client, {**base, "chat_template_kwargs": {"enable_thinking": False}})
+    on = await prompt_text(client, base)
+    assert off != on
+    assert await prompt_text(client, {**base, "reasoning_effort": "none"}) == off
+    assert await prompt_text(client, {**base, "reasoning_effort": "high"}) == on
+    message = (await (await client.post("/v1/chat/completions", json={**base, "reasoning_effort": "none"})).json()
+               )["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (None, ANSWER)
+    response = await client.post("/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 50,
+                                                        "reasoning": {"effort": "none"}})
+    assert response.status == 200 and (await response.json())["reasoning"]["effort"] == "none"
+    clash = await client.post("/v1/chat/completions", json={
+        **base, "reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}})
+    assert clash.status == 400 and (await clash.json())["error"]["param"] == "reasoning_effort"
+
+
 async def test_tool_calls_after_the_thinking(qwen3, make_client):
     set_script(qwen3, '<think>Use it.</think><tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
     client = await make_client(qwen3)
