@@ -97,8 +97,8 @@ class Executor(abc.ABC):
     #: vocabulary size, the logits' second dimension
     vocab_size: int
     #: whether a forked sequence attends over its parent's KV pages as over
-    #: its own; False (a model with sliding-window layers on TVM's cache)
-    #: turns the prefix cache off and limits `n` to 1, and
+    #: its own; False (a model with sliding-window layers on TVM's CUDA
+    #: cache) turns the prefix cache off and limits `n` to 1, and
     #: `fork_sequence` is never called
     shares_prefixes: bool = True
 
@@ -116,6 +116,13 @@ class Executor(abc.ABC):
         `parent_id`'s KV (all of them when None), sharing its full pages;
         a partly filled page at `position` is copied, so it needs one free
         page."""
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep the first `length` tokens of `seq_id` in the KV cache and
+        drop the rest, as if they had never been appended (speculative
+        decoding takes rejected drafts back this way). An executor that
+        cannot raises `NotImplementedError`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot truncate a sequence")
 
     @abc.abstractmethod
     def prefill(

@@ -210,6 +210,15 @@ class TVMExecutor(Executor):
         self._kv.fork(parent_id, child_id, position)
         self._lengths[child_id] = position
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        self._check_open()
+        seq_id = self._known(seq_id)
+        held = self._lengths[seq_id]
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= held:
+            raise ValueError(f"cannot truncate sequence {seq_id} to {length!r}: it holds {held} tokens")
+        self._kv.truncate(seq_id, int(length), held)
+        self._lengths[seq_id] = int(length)
+
     def free_pages(self) -> int:
         self._check_open()
         return self._kv.free_pages()

@@ -3,10 +3,10 @@ lockgate's own on the CPU (`CPUCache`: `page_pool.PagePool` over pools the
 compiled functions read, see `paged_attention`) and TVM's `PagedKVCache`
 on CUDA (`TVMCache`).
 
-Both hold sequences by id, fork and drop them, count free pages, and run
-one forward pass (`forward`): given the step's sequences and how many
-tokens each appends, they call the compiled function with what it takes as
-its `kv_cache` argument.
+Both hold sequences by id, fork, truncate (to `length` of the `held`
+tokens) and remove them, count free pages, and run one forward pass (`forward`): given
+the step's sequences and how many tokens each appends, they call the
+compiled function with what it takes as its `kv_cache` argument.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ class CPUCache:
     def fork(self, parent_id: int, child_id: int, position: int) -> None:
         self._pool.fork(parent_id, child_id, position)
 
+    def truncate(self, seq_id: int, length: int, held: int) -> None:
+        # a page it is cut inside that another sequence shares is copied at its next write
+        self._pool.truncate(seq_id, length)
+
     def free_pages(self) -> int:
         return self._pool.free_pages()
 
@@ -76,6 +80,7 @@ class TVMCache:
         self._begin = f("vm.builtin.kv_state_begin_forward")
         self._end = f("vm.builtin.kv_state_end_forward")
         self._available = f("vm.builtin.attention_kv_cache_get_num_available_pages")
+        self._popn = f("vm.builtin.kv_state_popn")
         self._pad = pad
         self.page_size = page_size
         self._kv = vm["create_tir_paged_kv_cache"](
@@ -94,6 +99,12 @@ class TVMCache:
 
     def fork(self, parent_id: int, child_id: int, position: int) -> None:
         self._fork(self._kv, parent_id, child_id, position)
+
+    def truncate(self, seq_id: int, length: int, held: int) -> None:
+        # a pop into a block the sequence shares forks it anew, copying the page it is cut inside
+        if length % self.page_size and self.free_pages() < 1:
+            raise ValueError(f"cannot truncate sequence {seq_id}: no free KV page for the page at {length}")
+        self._popn(self._kv, seq_id, held - length)
 
     def free_pages(self) -> int:
         return int(self._available(self._kv)) - self._pad

@@ -143,6 +143,42 @@ def test_a_qwen2_file_without_biases_is_refused(tmp_path, compile_cache):
         create_executor(ModelFile(path, config), ExecutorOptions.of(cache_dir=compile_cache))
 
 
+@pytest.mark.parametrize("variant", ["llama", *sorted(VARIANTS)])
+def test_truncate_equals_never_appending(variant, family_files, tiny_gguf, compile_cache):
+    """Tokens appended and then truncated away leave the sequence as if they
+    had never been: what comes after them, prefilled or decoded, is the same
+    bits; a cut inside a page another sequence shares leaves that sequence
+    as it was; every page comes back."""
+    from lockgate.plugins.tvm.executor import create_executor
+
+    path = tiny_gguf if variant == "llama" else family_files[variant]
+    config = ModelConfig.from_gguf(GGUFMetadata(path))
+    options = ExecutorOptions.of(max_num_seqs=4, max_total_tokens=256, prefill_chunk_size=64, cache_dir=compile_cache)
+    ex = create_executor(ModelFile(path, config), options)
+    try:
+        drafts, after = [5, 6, 7, 8] * 4, [9, 10]
+        ex.add_sequence(1)
+        ex.prefill([1], [PROMPT + drafts])
+        assert len(PROMPT) == 19
+        ex.fork_sequence(1, 3, 32)  # shares the full page the cut below falls in
+        ex.truncate(1, len(PROMPT))
+        got = [ex.prefill([1], [after])[0], ex.decode([1], [4])[0]]
+        ex.add_sequence(2)
+        want = [ex.prefill([2], [PROMPT + after])[0], ex.decode([2], [4])[0]]
+        np.testing.assert_array_equal(np.stack(got), np.stack(want))
+        # the fork still holds its prefix, drafts included
+        ex.add_sequence(4)
+        ex.prefill([4], [PROMPT + drafts[:13]])
+        np.testing.assert_array_equal(ex.decode([3], [11])[0], ex.decode([4], [11])[0])
+        with pytest.raises(ValueError, match="cannot truncate"):
+            ex.truncate(2, 100)
+        for seq in (1, 2, 3, 4):
+            ex.remove_sequence(seq)
+        assert ex.free_pages() == ex.total_pages
+    finally:
+        ex.close()
+
+
 def test_a_sliding_window_model_shares_prefixes_on_the_cpu(family_files, compile_cache):
     """Gemma 3's local layers mask each key by its position, whoever holds
     it: on the CPU its prompts chunk freely, its sequences fork, and a
