@@ -109,6 +109,12 @@ class Metrics:
         self.prefix_hits = Counter(
             "lockgate_prefix_cache_hits", "Prompt tokens found in the prefix cache, not prefilled.", ["model"],
             registry=self.registry)
+        self.drafted = Counter(
+            "lockgate_speculative_drafted_tokens", "Draft tokens verified by speculative decoding, by drafter.",
+            ["model", "drafter"], registry=self.registry)
+        self.accepted = Counter(
+            "lockgate_speculative_accepted_tokens", "Draft tokens the sampler drew as drafted, by drafter.",
+            ["model", "drafter"], registry=self.registry)
         self.requests = Counter(
             "lockgate_requests", "HTTP requests to the API by outcome and error type.",
             ["outcome", "error_type"], registry=self.registry)
@@ -145,6 +151,10 @@ class _EngineMetrics(EngineObserver):
 
     def preempted(self) -> None:
         self.metrics.preemptions.labels(self.model).inc()
+
+    def speculated(self, drafter: str | None, drafted: int, accepted: int) -> None:
+        self.metrics.drafted.labels(self.model, drafter or "").inc(drafted)
+        self.metrics.accepted.labels(self.model, drafter or "").inc(accepted)
 
     def prefix_lookup(self, tokens: int, found: int) -> None:
         self.metrics.prefix_queries.labels(self.model).inc()

@@ -180,6 +180,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefix_cache", bool, True,
             "keep finished sequences' KV pages, indexed by their tokens, for requests that share a prefix "
             "(evicted least recently used when pages are short); `--no-prefix-cache` turns it off"),
+    Setting("speculation", bool, True,
+            "speculative decoding without a second model: tokens drafted from the prompt and output (prompt "
+            "lookup), from earlier requests, from a grammar's forced text and from OpenAI's `prediction` are "
+            "verified several a step, the output exactly what it is without (`--no-speculation` turns it off)"),
+    Setting("speculative_tokens", int, 0,
+            "drafts one step verifies per choice: 0 chooses each step's number (up to 8) by what decode "
+            "steps and verifications measure on this executor and how often each request's drafts were "
+            "accepted; a positive number fixes it"),
+    Setting("speculation_max_batch", int, 4,
+            "speculate only while a step decodes at most this many choices (each draft costs a row)"),
     Setting("engine", str, None,
             "what runs the model's requests: `local` (continuous batching in this process) or an engine "
             "plugin's name (`lockgate_register_engines`; built in: `ray`, replicas on Ray Serve)",

@@ -44,6 +44,8 @@ def check_size(request: GenerationRequest) -> None:
         check_text_size("messages", (text for m in request.messages for text in (m.name or "", m.content)))
     elif isinstance(request, CompletionRequest):
         check_text_size("prompt", (p for p in request.prompts if isinstance(p, str)))
+    if request.prediction:
+        check_text_size("prediction", [request.prediction])
 
 
 @hookimpl

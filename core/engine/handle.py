@@ -43,16 +43,25 @@ class Usage:
     completion_tokens: int = 0
     #: prompt tokens whose KV came from the prefix cache, not a prefill
     cached_tokens: int = 0
+    #: with a predicted output: its tokens the output took, and those it
+    #: did not (both counted in `completion_tokens` where drawn); None without one
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
     def __add__(self, other: "Usage") -> "Usage":
+        def both(a, b):
+            return None if a is None and b is None else (a or 0) + (b or 0)
+
         return Usage(
             self.prompt_tokens + other.prompt_tokens,
             self.completion_tokens + other.completion_tokens,
             self.cached_tokens + other.cached_tokens,
+            both(self.accepted_prediction_tokens, other.accepted_prediction_tokens),
+            both(self.rejected_prediction_tokens, other.rejected_prediction_tokens),
         )
 
 
@@ -155,6 +164,10 @@ class EngineObserver:
 
     def preempted(self) -> None:
         pass
+
+    def speculated(self, drafter: str | None, drafted: int, accepted: int) -> None:
+        """A speculative step verified `drafted` tokens of `drafter`'s and
+        accepted `accepted` of them."""
 
     def prefix_lookup(self, tokens: int, found: int) -> None:
         """A sequence looked for `tokens` tokens in the prefix cache and

@@ -31,8 +31,10 @@ from lockgate.engine.handle import END, Delta, EngineObserver, RequestHandle
 from lockgate.engine.options import EngineOptions
 from lockgate.engine.sampling import SamplingRow
 from lockgate.engine.scheduler import Scheduler
+from lockgate.engine.speculation import Drafter, SpeculationPolicy
 from lockgate.engine.state import Choice, RequestState
 from lockgate.engine.stop import LENGTH, StopChecker
+from lockgate.engine.verification import verify_step
 from lockgate.engine.work import Work
 from lockgate.errors import InternalError, Unavailable
 
@@ -62,6 +64,7 @@ class Engine:
         options: EngineOptions = EngineOptions(),
         name: str = "engine",
         observer: EngineObserver | None = None,
+        drafters: Sequence[Drafter] = (),
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
@@ -78,6 +81,8 @@ class Engine:
             # forks are what the prefix cache shares prompts through
             prefix_cache=options.prefix_cache and executor.shares_prefixes,
             on_prefix_lookup=lambda tokens, found: self.observer.prefix_lookup(tokens, found),
+            speculation=SpeculationPolicy(list(drafters), options.speculative_tokens, options.speculation_max_batch)
+            if options.speculation and drafters and executor.can_truncate else None,
         )
         self.stop_checker = StopChecker(eos_token_ids)
         # re-entrant: a request may be retired while the lock is already held
@@ -231,8 +236,14 @@ class Engine:
             if not self._stopping:
                 self.scheduler.admit()
             batch = self.scheduler.plan()
-        if batch.decode:
+        if batch.drafts:
+            verify_step(self, batch.decode, batch.drafts, events)
+        elif batch.decode:
+            started, lengths = time.perf_counter(), [len(c.output_ids) for c in batch.decode]
             self._run_decode(batch.decode, events)
+            if self.scheduler.speculation is not None:
+                self.scheduler.speculation.decoded(batch.decode, lengths, batch.proposed,
+                                                   time.perf_counter() - started)
         if batch.prefill:
             self._run_prefill(batch.prefill, events)
         self._note_pages()
@@ -394,6 +405,9 @@ class Engine:
         if state.done:
             return
         state.done = True
+        if state.params.prediction:
+            state.handle.usage.accepted_prediction_tokens = state.drafts.prediction_accepted
+            state.handle.usage.rejected_prediction_tokens = state.drafts.prediction_rejected
         with self._cond:
             self.scheduler.remove(state)
         for choice in state.choices:

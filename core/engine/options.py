@@ -20,5 +20,11 @@ class EngineOptions:
     max_num_batched_tokens: int | None = setting_default("max_num_batched_tokens")
     #: keep finished sequences' KV for later requests with the same prefix
     prefix_cache: bool = setting_default("prefix_cache")
+    #: draft tokens and verify several a step (`lockgate.engine.speculation`)
+    speculation: bool = setting_default("speculation")
+    #: drafts verified a step, per choice (0: chosen by measurement)
+    speculative_tokens: int = setting_default("speculative_tokens")
+    #: speculate only while a step decodes at most this many choices
+    speculation_max_batch: int = setting_default("speculation_max_batch")
     #: seconds a client is told to wait on 429 / 503
     retry_after: int = 1

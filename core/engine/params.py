@@ -44,6 +44,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     #: a compiled `response_format` grammar (`lockgate.engine.structured.Grammar`), or None
     grammar: object | None = None
+    #: the predicted output (OpenAI's Predicted Outputs) as token ids: drafts
+    #: to verify, never forced on the output
+    prediction: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:

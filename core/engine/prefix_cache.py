@@ -106,6 +106,20 @@ class PageBook:
         while len(pages) * self.page_size < length:
             pages.append(self._new_page())
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """A running sequence (cached ones are never truncated) now holds
+        its first `length` tokens: the pages past them go back, and a page
+        the cut falls inside that others hold is replaced by a copy, as the
+        executor does."""
+        pages = self._pages[seq_id]
+        keep = -(-length // self.page_size)
+        for page in pages[keep:]:
+            self._hold(page, -1, cached=False)
+        del pages[keep:]
+        if length % self.page_size and pages and self._holders[pages[-1]] > 1:
+            self._hold(pages[-1], -1, cached=False)
+            pages[-1] = self._new_page()
+
     def mark_cached(self, seq_id: int) -> None:
         """The sequence now belongs to the prefix cache."""
         self._cached.add(seq_id)

@@ -43,6 +43,7 @@ from collections.abc import Callable
 import structlog
 
 from lockgate.engine.prefix_cache import PageBook, PrefixCache, PrefixMatch, common_prefix
+from lockgate.engine.speculation import DraftContext, SpeculationPolicy
 from lockgate.engine.state import Choice, RequestState
 from lockgate.errors import Overloaded
 
@@ -54,12 +55,22 @@ log = structlog.get_logger("lockgate.engine")
 PROMPT_LOGPROB_LOGITS = 1 << 24
 
 
+#: a decode row's draft tokens and the name of the drafter that proposed them
+Drafts = tuple[list[int], str | None]
+
+
 @dataclasses.dataclass
 class Batch:
     """What one engine step runs: decode rows, then prefill chunks."""
 
     decode: list[Choice]
     prefill: list[tuple[Choice, list[int]]]
+    #: per decode row, the tokens drafted to verify after it (and their
+    #: drafter's name); empty when the step does not speculate
+    drafts: list[Drafts] = dataclasses.field(default_factory=list)
+    #: per decode row, what the drafters proposed (of which `drafts` verifies
+    #: the first k); empty where nothing was asked
+    proposed: list[Drafts] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -88,8 +99,10 @@ class Scheduler:
         on_preempt: Callable[[], None] = lambda: None,
         prefix_cache: bool = True,
         on_prefix_lookup: Callable[[int, int], None] = lambda tokens, found: None,
+        speculation: SpeculationPolicy | None = None,
     ) -> None:
         self.kv = kv
+        self.speculation = speculation
         self.on_preempt = on_preempt
         self.on_prefix_lookup = on_prefix_lookup
         self.book = PageBook(kv.page_size, kv.total_pages)
@@ -258,9 +271,42 @@ class Scheduler:
                 budget -= take
                 chunk_room -= take
             if pages <= self.kv.free_pages() or not self.running:
-                return Batch(decode, prefill)
+                drafts, proposed = self._drafts(decode, budget, self.kv.free_pages() - pages)
+                return Batch(decode, prefill, drafts, proposed)
             if self._evict_one() is None:
                 self.preempt(self.running[-1])
+
+    def _drafts(self, decode: list[Choice], budget: int, spare_pages: int) -> tuple[list[Drafts], list[Drafts]]:
+        """Tokens to verify after each decode row, within what the step has
+        left of its token budget and of the free pages: none for a batch too
+        large to pay for them, for a choice still reading its prompt, or
+        where the drafters propose nothing; as many of those proposed as
+        the policy finds worth verifying (`SpeculationPolicy.choose`); and
+        what was proposed."""
+        policy = self.speculation
+        if policy is None or not decode or not policy.worthwhile(len(decode)):
+            return [], []
+        proposed: list[Drafts] = []
+        # the drafts go in one prefill call with every row
+        room = self.kv.prefill_chunk_size - len(decode)
+        for choice in decode:
+            state = choice.request
+            k = min(policy.most, budget, room,
+                    state.max_tokens - len(choice.output_ids) - 1,
+                    self.kv.max_sequence_length - choice.kv_len - 1)
+            tokens, drafter = [], None
+            if state.forked and choice.kv_len >= len(state.prompt_ids) and k > 0:
+                context = DraftContext(state.prompt_ids, choice.output_ids, state.params.prediction, choice.matcher)
+                tokens, drafter = policy.draft(context, k)
+                # a page more only where the drafts cross into one
+                while tokens and self.pages(choice.kv_len + 1 + len(tokens)) - self.pages(choice.kv_len + 1) > spare_pages:
+                    tokens.pop()
+                spare_pages -= self.pages(choice.kv_len + 1 + len(tokens)) - self.pages(choice.kv_len + 1)
+                budget -= len(tokens)
+                room -= len(tokens)
+            proposed.append((tokens, drafter if tokens else None))
+        k = policy.choose(proposed, [choice.request.drafts.acceptance for choice in decode])
+        return ([(tokens[:k], drafter) for tokens, drafter in proposed] if k else []), proposed
 
     def preempt(self, state: RequestState) -> None:
         """Give up a request's KV and queue it first, to be recomputed later.
@@ -286,6 +332,21 @@ class Scheduler:
         choice.kv_len += tokens
         self.book.grow(choice.seq_id, choice.kv_len)
 
+    def hold_drafts(self, choice: Choice, drafts: int) -> None:
+        """A speculative step appended `drafts` tokens past the choice's
+        `kv_len`: held until `settle` keeps the accepted ones."""
+        choice.kv_held = choice.kv_len + drafts
+        self.book.grow(choice.seq_id, choice.kv_held)
+
+    def settle(self, choice: Choice) -> None:
+        """Drop the drafts a speculative step did not accept: the sequence
+        holds its `kv_len` tokens again, as if they had never been appended."""
+        held, choice.kv_held = choice.kv_held, None
+        if held is None or held == choice.kv_len or choice.seq_id < 0:
+            return
+        self.kv.truncate(choice.seq_id, choice.kv_len)
+        self.book.truncate(choice.seq_id, choice.kv_len)
+
     def fork(self, state: RequestState) -> None:
         """The prompt is in: add the request's other choices, sharing its KV."""
         parent = state.choices[0]
@@ -303,6 +364,9 @@ class Scheduler:
         """A choice is done: its sequence goes to the prefix cache, or its
         pages back to the pool."""
         choice.finished = True
+        self.settle(choice)
+        if self.speculation is not None:
+            self.speculation.learn(choice.tokens())
         self._keep_or_free(choice)
 
     def _keep_or_free(self, choice: Choice) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 
 from lockgate.engine.detokenizer import IncrementalDetokenizer
 from lockgate.engine.sampling import TokenLogprob, logprobs_of, make_generator
+from lockgate.engine.speculation import DraftRecord
 
 if TYPE_CHECKING:
     from lockgate.engine.handle import RequestHandle
@@ -32,6 +33,9 @@ class Choice:
         self._rng: np.random.Generator | None = None
         self.matcher = None if params.grammar is None else params.grammar.matcher()
         self.finished = False
+        #: tokens the KV sequence holds while a speculative step verifies
+        #: drafts past `kv_len` (the scheduler truncates to `kv_len` after)
+        self.kv_held: int | None = None
 
     @property
     def rng(self) -> np.random.Generator:
@@ -95,6 +99,8 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             None if self.params.prompt_logprobs is None else [None]
         )
+        #: its choices' speculative drafts, proposed and accepted
+        self.drafts = DraftRecord()
 
     @property
     def wants_prompt_logprobs(self) -> bool:

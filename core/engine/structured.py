@@ -148,6 +148,14 @@ class Matcher:
         """The output so far is complete: it may end here (EOS is allowed)."""
         return self._matcher.is_accepting()
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens that must come next whatever the model says: the
+        text the grammar forces from here, as llguidance tokenizes it (the
+        sampler may draw another tokenization of the same text)."""
+        if self._matcher.is_stopped() or self._matcher.is_error():
+            return []
+        return [int(t) for t in self._matcher.compute_ff_tokens()]
+
     @property
     def is_finished(self) -> bool:
         """The output is complete and nothing but EOS can follow: stop now."""

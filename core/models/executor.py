@@ -121,8 +121,14 @@ class Executor(abc.ABC):
         """Keep the first `length` tokens of `seq_id` in the KV cache and
         drop the rest, as if they had never been appended (speculative
         decoding takes rejected drafts back this way). An executor that
-        cannot raises `NotImplementedError`."""
+        cannot raises `NotImplementedError` (`can_truncate` is then false,
+        and the engine does not speculate on it)."""
         raise NotImplementedError(f"{type(self).__name__} cannot truncate a sequence")
+
+    @property
+    def can_truncate(self) -> bool:
+        """Whether `truncate` is implemented."""
+        return type(self).truncate is not Executor.truncate
 
     @abc.abstractmethod
     def prefill(

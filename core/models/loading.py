@@ -143,6 +143,13 @@ def registered_tool_call_formats(pm: pluggy.PluginManager) -> list[type]:
     return formats
 
 
+def registered_drafters(pm: pluggy.PluginManager) -> list[type]:
+    """Every drafter plugins offer, in the order the engine asks them."""
+    drafters: list[type] = []
+    pm.hook.lockgate_register_drafters(register=drafters.append)
+    return drafters
+
+
 def registered_reasoning_formats(pm: pluggy.PluginManager) -> list[type]:
     """Every reasoning format plugins offer, in the order they are tried."""
     formats: list[type] = []
@@ -309,6 +316,7 @@ def load_model(
         context_length=source.config.context_length,
         options=engine_options,
         name=source.name,
+        drafters=[drafter() for drafter in registered_drafters(pm)] if engine_options.speculation else (),
     )
     return source.serve_with(engine, backend)
 

@@ -154,6 +154,10 @@ _OPENAI_GENERATION = (
     implemented("prompt_logprobs", "extension: each prompt token's logprob, as vLLM has them", 1),
     implemented("return_token_ids", "extension: the prompt's and each choice's token ids, as vLLM has them "
                 "(`prompt_token_ids`, `token_ids`), streamed and whole", True),
+    implemented("prediction", "OpenAI's Predicted Outputs (`{\"type\": \"content\", \"content\": ...}`): "
+                "drafts for speculative decoding, verified, never forced on the answer; "
+                "`usage.completion_tokens_details` counts its accepted and rejected tokens",
+                {"type": "content", "content": "Hello"}),
     implemented("structured_outputs", "extension (vLLM): one of `json`, `regex`, `choice`, `grammar` (GBNF "
                 "or Lark), `json_object`; through the same grammar compiler as `response_format`",
                 {"choice": ["yes", "no"]}),
@@ -178,7 +182,6 @@ _OPENAI_GENERATION = (
              "same answers with it or without it", boolean, False),
     # asked for, and not done
     refused("audio", "no model served here speaks", example={"voice": "alloy", "format": "wav"}),
-    refused("prediction", "predicted outputs are not implemented", example={"type": "content", "content": "x"}),
     refused("web_search_options", "this server runs no tools", example={}),
     refused("verbosity", "the model's answers cannot be made shorter or longer on request", ("medium",), "low"),
     refused("guided_whitespace_pattern", "generated JSON has no free whitespace", example=" "),
@@ -342,7 +345,7 @@ _GENERATION_ONLY = frozenset({
     "stream", "stream_options", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
     "presence_penalty", "frequency_penalty", "stop", "logit_bias", "user", "top_k", "min_p",
     "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "response_format", "skip_special_tokens",
-    "prompt_logprobs", "return_token_ids", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "prompt_logprobs", "return_token_ids", "prediction", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "grammar", "json_schema", "regex", "ebnf", "logprobs", "top_logprobs", "parallel_tool_calls",
 })
 

@@ -18,6 +18,8 @@ engine and the models import `hookimpl` from here):
 * `ErrorResponse` (`lockgate.errors`).
 * `ModelFile`, `ExecutorOptions`, `Executor` (`lockgate.models.executor`).
 * `ModelFamily` (`lockgate.models.families`).
+* `Drafter` (`lockgate.engine.speculation`): proposes draft tokens for
+  speculative decoding.
 * `ToolCallFormat` (`lockgate.plugin_api.tool_calls`).
 * `ReasoningFormat` (`lockgate.plugin_api.reasoning`).
 * `Settings`, `Setting` (`lockgate.settings`): every setting of `lockgate
@@ -33,6 +35,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from lockgate.engine import EngineClient, Handle, Work
+    from lockgate.engine.speculation import Drafter
     from lockgate.errors import ErrorResponse
     from lockgate.models import Model, ModelSpec
     from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
@@ -280,6 +283,24 @@ def lockgate_register_reasoning_formats(register: Callable[[type[ReasoningFormat
         `fits(chat_template)` says whether a model's template writes its
         thinking that way (the first registered format that fits is chosen;
         built-ins come last).
+    :returns: nothing; the return value is ignored.
+    :raises: nothing by design; an exception stops start-up.
+
+    Every implementation runs.
+    """
+
+
+@hookspec
+def lockgate_register_drafters(register: Callable[[type[Drafter]], None]) -> None:
+    """Offer drafters for speculative decoding: what proposes a choice's
+    next tokens for the engine to verify several a step.
+
+    :param register: call `register(DrafterClass)` with a
+        `lockgate.engine.speculation.Drafter` subclass (made with no
+        arguments, one instance per engine); drafters are asked in
+        registration order, plugins' before the built-ins (`prediction`,
+        `grammar`, `prompt_lookup`, `ngram_memory`), and the first that
+        proposes tokens wins.
     :returns: nothing; the return value is ignored.
     :raises: nothing by design; an exception stops start-up.
 

@@ -30,6 +30,7 @@ DEFAULT_PLUGINS = (
     "lockgate.plugins.engines",
     "lockgate.plugins.tool_formats",
     "lockgate.plugins.reasoning_formats",
+    "lockgate.plugins.drafters",
     "lockgate.plugins.tvm",
     "lockgate.plugins.ray",
 )

@@ -265,6 +265,7 @@ class MessagesRequest(ChatRequest):
     prompt_logprobs: int | None = param(None)
     chat_template_kwargs: Mapping[str, Any] = param({})
     return_token_ids: bool = param(False)
+    prediction: str | None = param(None)
     reasoning_effort: str | None = param(None)
     # the Messages API's own
     system: str | None = param(None, read_system)

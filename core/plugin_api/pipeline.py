@@ -82,6 +82,9 @@ def prepare_request(
         params = request.sampling_params(grammar=grammar_for(request, model))
         if isinstance(request, ChatRequest) and request.reads_tool_output:
             params = dataclasses.replace(params, **tool_sampling(request, model))
+        if request.prediction:
+            predicted = model.tokenizer.encode(request.prediction, add_special_tokens=False)
+            params = dataclasses.replace(params, prediction=tuple(int(t) for t in predicted))
         prompts = request.split() if isinstance(request, CompletionRequest) else [request]
         handles: list[Handle] = []
         try:

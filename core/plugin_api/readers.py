@@ -133,6 +133,19 @@ def read_logit_bias(value: Any, where: str) -> dict[int, float]:
     return read
 
 
+def read_prediction(value: Any, where: str) -> str:
+    """`prediction`: `{"type": "content", "content": text or text parts}`,
+    the text the answer is expected to largely be (OpenAI's Predicted Outputs)."""
+    prediction = _object(value, where)
+    if prediction.get("type") != "content":
+        raise InvalidRequestError(f"{where}.type must be 'content'", param=f"{where}.type")
+    for key in prediction:
+        if key not in ("type", "content"):
+            raise InvalidRequestError(f"{where}.{key} is not a prediction field (type, content)",
+                                      param=f"{where}.{key}")
+    return _content(prediction.get("content"), f"{where}.content")
+
+
 #: OpenAI's reasoning efforts (and DeepSeek's `max`)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 

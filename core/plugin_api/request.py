@@ -48,10 +48,11 @@ from lockgate.plugin_api.readers import (
     read_include_usage,
     read_logit_bias,
     read_messages,
+    read_prediction,
     read_prompts,
+    read_reasoning_effort,
     read_response_format,
     read_stop,
-    read_reasoning_effort,
     read_stop_token_ids,
     string,
 )
@@ -119,6 +120,10 @@ class GenerationRequest:
     min_tokens: int = param(0, integer(0))
     #: the prompt's and each choice's token ids in the answer (vLLM's shape)
     return_token_ids: bool = param(False, boolean)
+    #: OpenAI's Predicted Outputs (chat; completions too, here): text the
+    #: answer is expected to largely be, which speculative decoding drafts
+    #: from (None: none)
+    prediction: str | None = param(None, read_prediction)
 
     @property
     def is_chat(self) -> bool:

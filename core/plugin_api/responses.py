@@ -246,6 +246,7 @@ class ResponsesRequest(ChatRequest):
     prompt_logprobs: int | None = param(None)
     chat_template_kwargs: Mapping[str, Any] = param({})
     return_token_ids: bool = param(False)
+    prediction: str | None = param(None)
     reasoning_effort: str | None = param(None, read_reasoning, key="reasoning")
     # the Responses API's own
     instructions: str | None = param(None, string)

@@ -47,7 +47,6 @@ class CPUCache:
         self._pool.fork(parent_id, child_id, position)
 
     def truncate(self, seq_id: int, length: int, held: int) -> None:
-        # a page it is cut inside that another sequence shares is copied at its next write
         self._pool.truncate(seq_id, length)
 
     def free_pages(self) -> int:

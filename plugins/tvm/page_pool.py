@@ -2,9 +2,9 @@
 who holds them, and each step's page tables.
 
 A sequence is a list of 16-token pages. Forking shares the parent's full
-pages (counted per holder) and copies the partly filled one, so a sequence
-only ever writes to pages it alone holds; a write into a page that is
-still shared (after `truncate` into one) copies it first. A step (`step`)
+pages (counted per holder) and copies the partly filled one, and a
+truncation inside a shared page copies it too, so a sequence only ever
+writes to pages it alone holds. A step (`step`)
 reserves the pages its new tokens need and returns what the compiled
 functions read: each new token's position and slot, each sequence's page
 list, and, for a prefill, where each sequence's queries start.
@@ -111,13 +111,22 @@ class PagePool:
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Keep the first `length` tokens of `seq_id`: the pages past them go
-        back; the last kept one may stay shared (a later write copies it)."""
+        back, and a page the cut falls inside that another sequence holds is
+        copied (the sequence writes there next), as a fork copies it."""
         sequence = self._get(seq_id)
         if not 0 <= length <= sequence.length:
             raise ValueError(f"cannot truncate sequence {seq_id} to {length}: it holds {sequence.length} tokens")
         keep = -(-length // PAGE_SIZE)
+        copy = length % PAGE_SIZE and self._holders[sequence.pages[keep - 1]] > 1
+        if copy and not self._free:
+            raise ValueError(f"cannot truncate sequence {seq_id}: no free KV page for the page at {length}")
         self._release(sequence.pages[keep:])
         del sequence.pages[keep:]
+        if copy:
+            shared = sequence.pages[-1]
+            sequence.pages[-1] = self._take()
+            self._copy_page(shared, sequence.pages[-1])
+            self._release([shared])
         sequence.length = length
 
     # ------------------------------------------------------------ steps

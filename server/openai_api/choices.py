@@ -25,15 +25,20 @@ json_string = json.encoder.encode_basestring
 
 def usage_body(usage: Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
     """`usage`; with `reasoning_tokens` (a model that thinks), how many of
-    the completion's tokens were thinking."""
+    the completion's tokens were thinking; with a predicted output, how many
+    of its tokens the output took and did not."""
     body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-    if reasoning_tokens is not None:
-        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    details = {} if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens}
+    if usage.accepted_prediction_tokens is not None:
+        details.update(accepted_prediction_tokens=usage.accepted_prediction_tokens,
+                       rejected_prediction_tokens=usage.rejected_prediction_tokens)
+    if details:
+        body["completion_tokens_details"] = details
     return body
 
 

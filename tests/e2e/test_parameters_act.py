@@ -39,6 +39,8 @@ B_THEN_A = {"prompt": [B], "logit_bias": {str(A): 53.5, str(B): 50}}
 #: `grammar` is compiled from `response_format` by the pipeline (not by
 #: `GenerationRequest.sampling_params`), so that is the key that must act.
 BODY_KEYS = {"grammar": "response_format", "prompt_logprobs": "echo"}
+#: fields the pipeline fills in (a compiled grammar, a tokenized prediction)
+FROM_THE_PIPELINE = ("grammar", "prediction")
 
 #: For every field of `SamplingParams`: (what both requests send, what only
 #: the first sends, what only the second sends). On top of `complete`'s
@@ -64,6 +66,8 @@ CHANGES = {
     # completions' echo with logprobs: the prompt's tokens have theirs too
     "prompt_logprobs": ({"logprobs": 1}, {}, {"echo": True}),
     "grammar": ({}, {}, {"response_format": {"type": "json_object"}}),
+    # the same text, and usage.completion_tokens_details counts the predicted tokens taken
+    "prediction": ({}, {}, {"prediction": {"type": "content", "content": "abababab"}}),
 }
 
 
@@ -97,7 +101,7 @@ def test_the_typed_request_converts_every_parameter():
     )
     defaults = SamplingParams()
     for field in dataclasses.fields(SamplingParams):
-        if field.name != "grammar":  # every parameter of the body above was read
+        if field.name not in FROM_THE_PIPELINE:  # every parameter of the body above was read
             assert getattr(params, field.name) != getattr(defaults, field.name), field.name
     assert sampling_params({"max_completion_tokens": 3, "max_tokens": 9}).max_tokens == 3
     assert sampling_params({"logprobs": True, "top_logprobs": 4}, CHAT_ENDPOINT).logprobs == 4

@@ -91,6 +91,21 @@ class FakeExecutor(Executor):
         self.pages[child_id] = shared + ([self._take_page()] if partial else [])
         self.tokens[child_id] = self.tokens[parent_id][:position]
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        tokens = self.tokens[seq_id]
+        if not 0 <= length <= len(tokens):
+            raise ValueError(f"cannot truncate {seq_id} to {length}: it holds {len(tokens)} tokens")
+        keep = -(-length // self.page_size)
+        pages = self.pages[seq_id]
+        for page in pages[keep:]:
+            self._drop_page(page)
+        del pages[keep:]
+        if length % self.page_size and self._refs[pages[-1]] > 1:
+            # the page the cut falls inside is shared: the sequence gets its own copy
+            self._drop_page(pages[-1])
+            pages[-1] = self._take_page()
+        del tokens[length:]
+
     def _append(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray:
         tokens = self.tokens[seq_id]
         for token in token_ids:

@@ -55,7 +55,10 @@ def sample_one(logits, params, rng, prompt_ids=(), output_ids=()) -> int:
 class InstrumentedExecutor:
     """Test double: the real executor, recording how many tokens of which
     sequence every forward pass carries, by engine step; decodes can be held
-    or slowed down."""
+    or slowed down. It does not offer `truncate`, so the engine decodes
+    through `decode` (no speculative step goes through `prefill` instead)."""
+
+    can_truncate = False
 
     def __init__(self, real):
         self.real = real

@@ -171,9 +171,9 @@ def test_page_pool_shares_copies_and_returns_pages():
     assert copies == [(int(step.page_values[1]), int(copies[0][1]))] and pool.free_pages() == 5
     pool.fork(1, 3, 16)  # on a page boundary: shares, copies nothing
     assert len(copies) == 1 and pool.free_pages() == 5
-    pool.truncate(1, 5)  # into the shared page 0
-    assert pool.free_pages() == 6 and pool.length(1) == 5
-    pool.step([1], [1])  # writing to a shared page copies it first
+    pool.truncate(1, 5)  # into the shared page 0: page 1 goes back, page 0 is copied
+    assert pool.free_pages() == 5 and pool.length(1) == 5 and len(copies) == 2
+    pool.step([1], [1])  # writes to its own copy
     assert len(copies) == 2 and pool.free_pages() == 5
     for seq in (1, 2, 3):
         pool.remove(seq)
