@@ -224,22 +224,37 @@ class StepCosts:
     """What a decode step and a verification cost on this executor, as
     measured: a moving average of the seconds of each decode step by batch
     size, and of each verification by the rows it ran (the batch and its
-    drafts). A verification not yet measured is assumed cheap (a row more
-    costs a tenth of a decode step), so the policy tries it and learns its
-    price."""
+    drafts). A verification not yet measured, or not measured in the last
+    `STALE_AFTER` steps, is assumed cheap (a row more costs a tenth of a
+    decode step), so the policy tries it and learns its price afresh: a
+    first call that paid a one-time cost, or a moment the machine was busy,
+    does not keep a k from being used for good."""
 
     #: how far one measurement moves the average
     WEIGHT = 0.2
     #: what an unmeasured draft row is assumed to add to a decode step
     OPTIMISM = 0.1
+    #: steps after which a verification's price is measured again
+    STALE_AFTER = 64
 
     def __init__(self) -> None:
         self.decode: dict[int, float] = {}
         self.verify: dict[int, float] = {}
+        self.steps = 0
+        #: the step each verification's price was last measured at
+        self._measured_at: dict[int, int] = {}
 
     def observe(self, table: dict[int, float], rows: int, seconds: float) -> None:
+        self.steps += 1
         known = table.get(rows)
+        if table is self.verify:
+            if self._stale(rows):
+                known = None
+            self._measured_at[rows] = self.steps
         table[rows] = seconds if known is None else known + self.WEIGHT * (seconds - known)
+
+    def _stale(self, rows: int) -> bool:
+        return self.steps - self._measured_at.get(rows, -self.STALE_AFTER) >= self.STALE_AFTER
 
     def decode_step(self, batch: int) -> float:
         if batch in self.decode:
@@ -250,7 +265,7 @@ class StepCosts:
         return 1.0
 
     def verify_step(self, batch: int, rows: int) -> float:
-        if rows in self.verify:
+        if rows in self.verify and not self._stale(rows):
             return self.verify[rows]
         return self.decode_step(batch) * (1 + self.OPTIMISM * (rows - batch))
 

@@ -19,7 +19,7 @@ from lockgate.engine import Work
 from lockgate.engine.handle import EngineObserver
 from lockgate.engine.params import SamplingParams
 from lockgate.engine.speculation import (
-    DraftContext, DraftRecord, Drafter, NgramMemory, PredictionDrafter, PromptLookup, SpeculationPolicy,
+    DraftContext, DraftRecord, Drafter, NgramMemory, PredictionDrafter, PromptLookup, SpeculationPolicy, StepCosts,
 )
 from lockgate.plugin_api.grammars import compile_json_schema
 from lockgate.plugin_api.manager import get_plugin_manager
@@ -107,6 +107,12 @@ def test_an_unmeasured_verification_is_tried():
     assert policy.choose([([7] * 4, "always")], [0.5]) > 0
     policy.verified(5, 0.05)  # then found dear
     assert policy.choose([([7] * 4, "always")], [0.5]) < 4
+    # and tried again once its price is old: that time may have been a one-off
+    for _ in range(StepCosts.STALE_AFTER):
+        policy.costs.observe(policy.costs.decode, 1, 0.01)
+    assert policy.choose([([7] * 4, "always")], [0.9]) == 4
+    policy.verified(5, 0.012)
+    assert policy.costs.verify[5] == 0.012
 
 
 def test_acceptance_follows_the_drafts_verified_and_the_decode_steps():
