@@ -12,6 +12,11 @@ FAIL_AT_DECODE = 3
 
 
 class PoisonedExecutor:
+    #: no speculation: a verification runs through `prefill`, which would
+    #: leave the decode steps to count (and the chunks before the fault) to
+    #: the policy's timing
+    can_truncate = False
+
     def __init__(self, real) -> None:
         self.real = real
         self.decodes: dict[int, int] = {}  # poisoned sequence -> decode steps so far
