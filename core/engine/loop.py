@@ -34,7 +34,7 @@ from lockgate.engine.scheduler import Scheduler
 from lockgate.engine.speculation import Drafter, SpeculationPolicy
 from lockgate.engine.state import Choice, RequestState
 from lockgate.engine.stop import LENGTH, StopChecker
-from lockgate.engine.verification import verify_step
+from lockgate.engine.verification import speculative_step
 from lockgate.engine.work import Work
 from lockgate.errors import InternalError, Unavailable
 
@@ -236,14 +236,10 @@ class Engine:
             if not self._stopping:
                 self.scheduler.admit()
             batch = self.scheduler.plan()
-        if batch.drafts:
-            verify_step(self, batch.decode, batch.drafts, events)
+        if batch.decode and self.scheduler.speculation is not None:
+            speculative_step(self, batch, events)
         elif batch.decode:
-            started, lengths = time.perf_counter(), [len(c.output_ids) for c in batch.decode]
             self._run_decode(batch.decode, events)
-            if self.scheduler.speculation is not None:
-                self.scheduler.speculation.decoded(batch.decode, lengths, batch.proposed,
-                                                   time.perf_counter() - started)
         if batch.prefill:
             self._run_prefill(batch.prefill, events)
         self._note_pages()

@@ -1,6 +1,11 @@
 """The speculative decode step: a batch's last tokens and their drafts in
 one executor call, then each position sampled as a decode step would.
 
+`speculative_step` runs a step's decode rows where speculation is on:
+through `verify_step` where the policy chose drafts, else as a plain
+decode step, timed, and its tokens checked against what was proposed
+(`SpeculationPolicy.decoded`).
+
 `verify_step` gives each decode row its pending token followed by its
 drafts (none for a row without any) as one prefill chunk, which returns the
 logits after every token of a chunk with drafts and after the last of one
@@ -27,7 +32,18 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lockgate.engine.loop import Engine, Events
+    from lockgate.engine.scheduler import Batch
     from lockgate.engine.state import Choice
+
+
+def speculative_step(engine: "Engine", batch: "Batch", events: "Events") -> None:
+    """The decode rows of `batch`, verifying its drafts if it has any."""
+    if batch.drafts:
+        verify_step(engine, batch.decode, batch.drafts, events)
+        return
+    started, lengths = time.perf_counter(), [len(c.output_ids) for c in batch.decode]
+    engine._run_decode(batch.decode, events)
+    engine.scheduler.speculation.decoded(batch.decode, lengths, batch.proposed, time.perf_counter() - started)
 
 
 def verify_step(engine: "Engine", choices: list["Choice"], drafts: list[tuple[list[int], str | None]],
@@ -58,6 +74,7 @@ def verify_step(engine: "Engine", choices: list["Choice"], drafts: list[tuple[li
     drafted = {id(c): (tokens, name, first_row) for c, (tokens, name), first_row in zip(choices, drafts, first_rows)}
     accepted = {id(c): 0 for c in choices}
     engine._sample(ready, logits[rows], events)
+    # (a choice forked just now is ready too, with no drafts)
     going = [c for c in ready if drafted.get(id(c), ((), None, 0))[0]]
     position = 0
     while going:
@@ -69,8 +86,7 @@ def verify_step(engine: "Engine", choices: list["Choice"], drafts: list[tuple[li
             # the draft drawn is in the KV cache already: the next row follows it
             choice.kv_len += 1
             accepted[id(choice)] += 1
-            if position + 1 <= len(tokens):
-                following.append(choice)
+            following.append(choice)
         position += 1
         if following:
             engine._sample(following, logits[[drafted[id(c)][2] + position for c in following]], events)

@@ -316,7 +316,7 @@ def load_model(
         context_length=source.config.context_length,
         options=engine_options,
         name=source.name,
-        drafters=[drafter() for drafter in registered_drafters(pm)] if engine_options.speculation else (),
+        drafters=[drafter() for drafter in registered_drafters(pm)],
     )
     return source.serve_with(engine, backend)
 
