@@ -220,3 +220,19 @@ class ErrorResponse:
     code: str | None = None
     headers: dict[str, str] = dataclasses.field(default_factory=dict)
 
+
+
+def internal_error_response(request_id: str | None = None) -> ErrorResponse:
+    """The one answer to a failure that is not the client's (500): a generic
+    message naming the request id (the request's, or the one bound for
+    logging), never the failure itself, which goes to the log."""
+    if request_id is None:
+        import structlog
+
+        request_id = structlog.contextvars.get_contextvars().get("request_id")
+    return ErrorResponse(
+        status=500,
+        message=f"The server had an error while processing your request (request id {request_id}).",
+        type="server_error",
+        code="internal_error",
+    )

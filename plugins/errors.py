@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import structlog
 
-from lockgate.errors import LockgateError
+from lockgate.errors import ErrorResponse, LockgateError, internal_error_response
 from lockgate.plugin_api.hookspecs import hookimpl
-from lockgate.errors import ErrorResponse
 
 log = structlog.get_logger("lockgate.errors")
 
@@ -22,11 +21,5 @@ def lockgate_handle_exception(exception, request):
             code=exception.code,
             headers=dict(exception.headers),
         )
-    request_id = request.id if request is not None else structlog.contextvars.get_contextvars().get("request_id")
     log.error("unexpected error", exc_info=exception)
-    return ErrorResponse(
-        status=500,
-        message=f"The server had an error while processing your request (request id {request_id}).",
-        type="server_error",
-        code="internal_error",
-    )
+    return internal_error_response(request.id if request is not None else None)

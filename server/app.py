@@ -39,7 +39,7 @@ from lockgate.server.middlewares import (
     set_replica_header,
     set_request_id_header,
 )
-from lockgate.server.anthropic_api import ROUTES as ANTHROPIC_ROUTES
+from lockgate.server import anthropic_api
 from lockgate.server.openai_api import ROUTES as OPENAI_ROUTES
 from lockgate.server.openai_api.responses import RESPONSE_STORE, ResponseStore
 from lockgate.server.routes import routes
@@ -82,7 +82,7 @@ def create_app(
         middlewares=[count_requests_middleware, api_key_middleware], client_max_size=settings.max_body_size
     )
     api.add_routes(OPENAI_ROUTES)
-    api.add_routes(ANTHROPIC_ROUTES)
+    api.add_subapp(anthropic_api.PREFIX, anthropic_api.messages_app(settings.max_body_size))
     app[RESPONSE_STORE] = ResponseStore(settings.responses_store_size)
     app.add_subapp("/v1", api)
     app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))

@@ -22,6 +22,10 @@ TRIMMER = web.AppKey("trimmer", Trimmer)
 #: any with `--accept-unknown-fields`)
 FIELD_POLICY = web.AppKey("field_policy", FieldPolicy)
 
+#: an API's sub-app: how it writes an error answer as a body (`protocol.ErrorWriter`);
+#: the root app and `/v1` write OpenAI's
+ERROR_WRITER = web.AppKey("error_writer", object)
+
 #: per-request: the id and the parsed request the hooks see
 REQUEST_ID = web.RequestKey("lockgate_request_id", str)
 PIPELINE_REQUEST = web.RequestKey("lockgate_pipeline_request", GenerationRequest)

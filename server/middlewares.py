@@ -4,7 +4,7 @@ error middleware, CORS, API keys, the request counter.
 The error middleware is the only place that turns exceptions into HTTP
 responses; what it answers comes from `lockgate.server.protocol.error_response`
 (the `lockgate_handle_exception` plugins, the built-in mapping last), in
-OpenAI's error shape.
+the shape of the API's sub-app (OpenAI's unless it carries its own writer).
 
 The root application carries the request id, error and CORS middlewares;
 the `/v1` sub-application adds the API key and the request counter, so
@@ -144,7 +144,8 @@ async def cors_preflight_middleware(request: web.Request, handler):
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    """Every exception becomes an OpenAI-style JSON error."""
+    """Every exception becomes a JSON error, in the shape of the API the
+    request was routed to (`protocol.error_body_for`)."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -158,7 +159,7 @@ async def error_middleware(request: web.Request, handler):
     answer = error_response(request, error)
     if answer.status >= 500:
         log.error("request failed", status=answer.status, error=repr(error))
-    return web.json_response(error_body_for(request.path, answer), status=answer.status, headers=answer.headers)
+    return web.json_response(error_body_for(request, answer), status=answer.status, headers=answer.headers)
 
 
 @web.middleware

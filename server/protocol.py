@@ -3,7 +3,9 @@
 * reading a body (`read_json_body`): JSON, UTF-8, an object, every string
   encodable;
 * the answer to an exception (`error_response`, which asks the
-  `lockgate_handle_exception` plugins), and its body (`error_body`).
+  `lockgate_handle_exception` plugins), and its body: OpenAI's
+  (`error_body`), or the one the API's sub-app writes (`ERROR_WRITER`,
+  found by `error_body_for`).
 
 Parsing a body into a typed request is the plugin API's
 (`lockgate.plugin_api.request`): the hooks receive that object. The
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -21,6 +24,7 @@ from aiohttp import web
 
 from lockgate.errors import (
     ErrorResponse,
+    internal_error_response,
     InvalidRequestError,
     LockgateError,
     MethodNotAllowed,
@@ -28,7 +32,7 @@ from lockgate.errors import (
     RouteNotFound,
     UnsupportedMediaType,
 )
-from lockgate.server.keys import ERROR_ANSWER, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS
+from lockgate.server.keys import ERROR_ANSWER, ERROR_WRITER, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS
 
 log = structlog.get_logger("lockgate.server")
 
@@ -131,29 +135,20 @@ def error_body(answer: ErrorResponse) -> dict[str, Any]:
     }
 
 
-#: Anthropic's error types by status (its API's own table; 503 is its overload)
-_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                          503: "overloaded_error", 529: "overloaded_error"}
+#: writes an error answer as an API's body; an application carries its own
+#: under `ERROR_WRITER`, and the innermost one a request was routed through
+#: is used (the OpenAI body where none is)
+ErrorWriter = Callable[[ErrorResponse], dict[str, Any]]
 
 
-def anthropic_error_body(answer: ErrorResponse) -> dict[str, Any]:
-    """An error answer as Anthropic's Messages API writes it:
-    `{"type": "error", "error": {"type", "message"}}`, the type by status
-    (any other 4xx `invalid_request_error`, any other 5xx `api_error`)."""
-    default = "invalid_request_error" if answer.status < 500 else "api_error"
-    kind = _ANTHROPIC_ERROR_TYPES.get(answer.status, default)
-    message = answer.message if answer.param is None else f"{answer.param}: {answer.message}"
-    if answer.param is not None and answer.message.startswith(answer.param):
-        message = answer.message
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def error_body_for(path: str, answer: ErrorResponse) -> dict[str, Any]:
-    """The error body in the shape of the API `path` belongs to: Anthropic's
-    under `/v1/messages`, OpenAI's everywhere else."""
-    if path == "/v1/messages" or path.startswith("/v1/messages/"):
-        return anthropic_error_body(answer)
+def error_body_for(request: web.Request, answer: ErrorResponse) -> dict[str, Any]:
+    """The error body in the shape of the API the request was routed to:
+    the innermost application's `ERROR_WRITER` (a sub-app's, as Anthropic's
+    under `/v1/messages`), OpenAI's where none is set."""
+    for app in reversed(request.match_info.apps):
+        writer = app.get(ERROR_WRITER)
+        if writer is not None:
+            return writer(answer)
     return error_body(answer)
 
 
@@ -183,13 +178,7 @@ def _ask_plugins(request: web.Request, exc: BaseException) -> ErrorResponse:
         log.error("lockgate_handle_exception returned no ErrorResponse", returned=repr(answer))
     except Exception:
         log.exception("a lockgate_handle_exception implementation raised")
-    return ErrorResponse(
-        status=500,
-        message="The server had an error while processing your request "
-        f"(request id {request.get(REQUEST_ID)}).",
-        type="server_error",
-        code="internal_error",
-    )
+    return internal_error_response(request.get(REQUEST_ID))
 
 
 def error_from_http_exception(request: web.Request, exc: web.HTTPException) -> Exception:

@@ -20,15 +20,13 @@ the error middleware.
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 from typing import Any
 
 from aiohttp import web
 
 from lockgate.errors import InvalidRequestError, TokenOutsideVocabulary
 from lockgate.plugin_api.fields import TOKENIZE, check_fields
-from lockgate.plugin_api.pipeline import errors_named_for, prompt_token_ids
+from lockgate.plugin_api.pipeline import count_prompt_tokens, in_worker
 from lockgate.plugin_api.readers import boolean, string
 from lockgate.plugin_api.request import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, parse_request
 from lockgate.plugin_api.tool_calls import chat_template_for
@@ -51,12 +49,6 @@ def _model(request: web.Request, name):
     return models.resolve(name)
 
 
-async def _in_worker(function, *args):
-    """Tokenizing a long text takes CPU: off the event loop, as the pipeline does."""
-    context = contextvars.copy_context()
-    return await asyncio.get_running_loop().run_in_executor(None, context.run, function, *args)
-
-
 @tokenizer_routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
     require_api_key(request)
@@ -77,14 +69,14 @@ async def tokenize(request: web.Request) -> web.Response:
         if add_special_tokens:
             # exactly as a completion's prompt: the same hooks
             typed = parse_request(COMPLETIONS_ENDPOINT, {"prompt": prompt}, request_id=request[REQUEST_ID])
-            tokens = await _in_worker(_prompt_tokens, pm, typed, model)
+            tokens = await count_prompt_tokens(pm, typed, model)
         else:
-            tokens = await _in_worker(lambda: model.tokenizer.encode(prompt, add_special_tokens=False))
+            tokens = await in_worker(lambda: model.tokenizer.encode(prompt, add_special_tokens=False))
     else:
         chat = {key: body[key] for key in _CHAT_FIELDS if key in body}
         typed = parse_request(CHAT_ENDPOINT, chat, request_id=request[REQUEST_ID],
                               thinks=model.reasoning_format is not None)
-        tokens = await _in_worker(_prompt_tokens, pm, typed, model)
+        tokens = await count_prompt_tokens(pm, typed, model)
     text = model.token_bytes.text
     return web.json_response({
         "count": len(tokens),
@@ -92,12 +84,6 @@ async def tokenize(request: web.Request) -> web.Response:
         "tokens": tokens,
         "token_strs": [text(t) for t in tokens] if return_token_strs else None,
     })
-
-
-def _prompt_tokens(pm, typed, model) -> list[int]:
-    with errors_named_for(typed):
-        pm.hook.lockgate_validate_request(request=typed, model=model)
-        return prompt_token_ids(pm, typed, model)
 
 
 @tokenizer_routes.post("/detokenize")
@@ -112,7 +98,7 @@ async def detokenize(request: web.Request) -> web.Response:
         if not 0 <= token < model.vocab_size:
             raise TokenOutsideVocabulary(
                 f"token id {token} is outside the vocabulary (0..{model.vocab_size - 1})", param="tokens")
-    prompt = await _in_worker(
+    prompt = await in_worker(
         lambda: model.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False))
     return web.json_response({"prompt": prompt})
 

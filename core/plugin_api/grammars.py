@@ -16,7 +16,6 @@ llguidance's top-level `"x-guidance"` key.
 
 from __future__ import annotations
 
-import json
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -191,29 +190,6 @@ def rebuild_grammar(
     elsewhere (the grammar text, not a schema: it was checked there)."""
     llg_tokenizer = _llg_tokenizer(tokenizer, eos_token_ids)
     return run_with_large_stack(lambda: _checked(source, llg_tokenizer))
-
-
-def with_reasoning(
-    grammar: Grammar, fmt, *, opened: bool, tokenizer, eos_token_ids: Sequence[int] | None = None
-) -> Grammar:
-    """`grammar` after the thinking of a model that thinks first (`fmt`, a
-    `ReasoningFormat`): the thinking runs free to its closing tag (all of
-    it when the prompt `opened` it, else it may be skipped), then white
-    space, then what `grammar` admits."""
-    source = grammar.source
-    try:
-        top = json.loads(source) if source.lstrip().startswith("{") else None
-    except ValueError:
-        top = None
-    if not isinstance(top, dict) or not isinstance(top.get("grammars"), list) or not top["grammars"]:
-        top = {"grammars": [{"lark_grammar": source}]}
-    answer = {**top["grammars"][0]}
-    answer["name"] = answer.get("name") or "lockgate_answer"
-    thinking = (f"start: {fmt.grammar_prefix(opened=opened)} /[ \\t\\r\\n]*/ @{answer['name']}\n"
-                + fmt.grammar_rules())
-    # the answer's grammar is referred to by name: none of ours refers to another by index
-    top = {**top, "grammars": [{"name": "lockgate_thinking", "lark_grammar": thinking}, answer, *top["grammars"][1:]]}
-    return rebuild_grammar(json.dumps(top), tokenizer, eos_token_ids=eos_token_ids)
 
 
 def closed_objects(schema: Mapping[str, Any]) -> Mapping[str, Any]:

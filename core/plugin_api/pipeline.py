@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import dataclasses
 from collections.abc import Iterator
 
 import pluggy
@@ -21,9 +20,8 @@ import structlog
 from lockgate.engine import Handle, Work
 from lockgate.errors import ContextLengthExceeded, InternalError, LockgateError
 from lockgate.models import Model
-from lockgate.plugin_api.grammars import grammar_for, with_reasoning
-from lockgate.plugin_api.output import OutputParser
-from lockgate.plugin_api.request import ChatRequest, CompletionRequest, GenerationRequest
+from lockgate.plugin_api.decoding import decoding_for
+from lockgate.plugin_api.request import CompletionRequest, GenerationRequest
 
 log = structlog.get_logger("lockgate.pipeline")
 
@@ -38,16 +36,34 @@ async def run_pipeline(
     raises, handles already enqueued are aborted and the exception
     propagates.
     """
-    loop = asyncio.get_running_loop()
-    # the worker thread gets this task's context: hook calls log with the request id
-    context = contextvars.copy_context()
-    future = loop.run_in_executor(None, context.run, prepare_request, pm, request, model)
+    future = in_worker(prepare_request, pm, request, model)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
         # the client left while the pipeline ran: whatever it enqueues is aborted
         future.add_done_callback(_abort_enqueued)
         raise
+
+
+def in_worker(function, *args) -> asyncio.Future:
+    """`function(*args)` in a worker thread, off the event loop (hooks,
+    templates and tokenizers take CPU), with this task's context: what it
+    logs carries the request id."""
+    context = contextvars.copy_context()
+    return asyncio.get_running_loop().run_in_executor(None, context.run, function, *args)
+
+
+async def count_prompt_tokens(pm: pluggy.PluginManager, request: GenerationRequest, model: Model) -> list[int]:
+    """The token ids of `request`'s prompt exactly as generating would count
+    them (validate, render, tokenize: the same hooks, in a worker thread),
+    nothing enqueued: what `/v1/messages/count_tokens` and `/tokenize` answer."""
+
+    def count() -> list[int]:
+        with errors_named_for(request):
+            pm.hook.lockgate_validate_request(request=request, model=model)
+            return prompt_token_ids(pm, request, model)
+
+    return await in_worker(count)
 
 
 def _abort_enqueued(future: asyncio.Future) -> None:
@@ -79,18 +95,13 @@ def prepare_request(
     """
     with errors_named_for(request):
         pm.hook.lockgate_validate_request(request=request, model=model)
-        params = request.sampling_params(grammar=grammar_for(request, model))
-        if isinstance(request, ChatRequest) and request.reads_tool_output:
-            params = dataclasses.replace(params, **tool_sampling(request, model))
-        if request.prediction:
-            predicted = model.tokenizer.encode(request.prediction, add_special_tokens=False)
-            params = dataclasses.replace(params, prediction=tuple(int(t) for t in predicted))
+        decoding = decoding_for(request, model).compile()
         prompts = request.split() if isinstance(request, CompletionRequest) else [request]
         handles: list[Handle] = []
         try:
             for one in prompts:
                 ids = prompt_token_ids(pm, one, model)
-                work = Work(request_id=one.id, prompt_token_ids=ids, params=_with_thinking(params, one, model, ids))
+                work = Work(request_id=one.id, prompt_token_ids=ids, params=decoding.sampling(ids))
                 handle = pm.hook.lockgate_enqueue(work=work, engine=model.engine)
                 if handle is None:
                     raise InternalError("no plugin enqueued the request")
@@ -100,65 +111,6 @@ def prepare_request(
                 handle.abort()
             raise
         return handles
-
-
-def _with_thinking(params, request: GenerationRequest, model: Model, prompt_ids: list[int]):
-    """A chat request's sampling where the model thinks first: its tags kept
-    in the text where they are special tokens, and a grammar (tools',
-    `response_format`'s) constraining what follows the thinking, which it
-    lets run to its closing tag."""
-    fmt = model.reasoning_format
-    if fmt is None or not isinstance(request, ChatRequest):
-        return params
-    if fmt.keeps_special_tokens:
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    if params.grammar is None:
-        return params
-    grammar = with_reasoning(params.grammar, fmt, opened=reasoning_opened(model, prompt_ids),
-                             tokenizer=model.tokenizer, eos_token_ids=model.eos_token_ids)
-    return dataclasses.replace(params, grammar=grammar)
-
-
-#: prompt tokens decoded to tell whether the prompt opened the thinking
-_PROMPT_TAIL_TOKENS = 8
-
-
-def reasoning_opened(model: Model, prompt_ids: list[int]) -> bool:
-    """Whether the model's output after this prompt starts inside its
-    thinking (the template opened it)."""
-    fmt = model.reasoning_format
-    if fmt is None:
-        return False
-    tail = model.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-    return fmt.opened_by(tail)
-
-
-def output_parser(request: ChatRequest, model: Model, handle: Handle) -> OutputParser:
-    """How a chat request's output is read (the same for each of its
-    choices): its thinking by the model's reasoning format, its calls by
-    the tool-call format (`tool_output_format`)."""
-    opened = model.reasoning_format is not None and reasoning_opened(model, handle.work.prompt_token_ids)
-
-    def count_tokens(text: str) -> int:
-        return len(model.tokenizer.encode(text, add_special_tokens=False))
-
-    return OutputParser(model.reasoning_format, opened, tool_output_format(request, model), count_tokens)
-
-
-def tool_output_format(request: ChatRequest, model: Model):
-    """The tool-call format a request's output is read with (its calls parsed
-    out of the text), bound to the tools offered; None when the output is
-    plain text (no tools offered or used, or a model without a format)."""
-    if request.reads_tool_output and model.tool_call_format is not None:
-        return model.tool_call_format.with_tools(request.offered_tools)
-    return None
-
-
-def tool_sampling(request: ChatRequest, model: Model) -> dict:
-    """What tools change in how the engine samples besides the grammar
-    (`grammars.grammar_for`): the format's markers kept in the text."""
-    fmt = model.tool_call_format
-    return {"skip_special_tokens": not fmt.keeps_special_tokens and request.skip_special_tokens}
 
 
 def _refuse_what_cannot_fit(prompt: str, model: Model) -> None:

@@ -9,8 +9,6 @@ and as an `error` event once a stream has begun."""
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import json
 from typing import Any
 
@@ -21,13 +19,33 @@ from lockgate.errors import ErrorResponse
 from lockgate.models import Model
 from lockgate.plugin_api.messages import MessagesRequest, parse_messages_request
 from lockgate.plugin_api.output import OutputParser
-from lockgate.plugin_api.pipeline import errors_named_for, output_parser, prompt_token_ids
+from lockgate.plugin_api.decoding import decoding_for
+from lockgate.plugin_api.pipeline import count_prompt_tokens
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.server.keys import FIELD_POLICY, MODELS, PLUGIN_MANAGER, REQUEST_ID
-from lockgate.server.protocol import anthropic_error_body, read_json_body
+from lockgate.server.protocol import read_json_body
 from lockgate.server.serving import MergedDeltas, event_stream, generate, total_usage, write_event
 
+#: the routes, relative to the sub-app at `/v1/messages`
 routes = web.RouteTableDef()
+
+#: Anthropic's error types by status (its API's own table; 503 is its overload)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(answer: ErrorResponse) -> dict[str, Any]:
+    """An error answer as Anthropic's Messages API writes it:
+    `{"type": "error", "error": {"type", "message"}}`, the type by status
+    (any other 4xx `invalid_request_error`, any other 5xx `api_error`)."""
+    default = "invalid_request_error" if answer.status < 500 else "api_error"
+    kind = _ERROR_TYPES.get(answer.status, default)
+    message = answer.message if answer.param is None else f"{answer.param}: {answer.message}"
+    if answer.param is not None and answer.message.startswith(answer.param):
+        message = answer.message
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
 
 
 def _stop_reason(finish_reason: str | None, stop_string: str | None, calls: list[ToolCall]) -> str:
@@ -86,7 +104,7 @@ def _parse(request: web.Request, body: dict[str, Any], model: Model) -> Messages
 
 
 async def _answer(request: web.Request, typed: MessagesRequest, model: Model, handles: list[Handle]):
-    parser = output_parser(typed, model, handles[0])
+    parser = decoding_for(typed, model).reader(handles[0].work.prompt_token_ids)
     builder = MessageBuilder(typed, model.name)
     if typed.stream:
         return await _stream(request, handles, builder, parser)
@@ -168,17 +186,17 @@ async def _stream(request: web.Request, handles: list[Handle], builder: MessageB
         await emit(response, "message_stop")
 
     async def write_error(response: web.StreamResponse, answer: ErrorResponse) -> None:
-        await emit(response, "error", error=anthropic_error_body(answer)["error"])
+        await emit(response, "error", error=error_body(answer)["error"])
 
     return await event_stream(request, handles, write, write_error)
 
 
-@routes.post("/messages")
+@routes.post("")
 async def create_message(request: web.Request) -> web.StreamResponse:
     return await generate(request, _parse, _answer)
 
 
-@routes.post("/messages/count_tokens")
+@routes.post("/count_tokens")
 async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens as `/v1/messages` would count them: the same
     parse, validation, template and tokenizer, nothing generated."""
@@ -187,14 +205,6 @@ async def count_tokens(request: web.Request) -> web.Response:
     typed = parse_messages_request(body, request_id=request[REQUEST_ID], count_only=True,
                                    thinks=model.reasoning_format is not None,
                                    fields=request.config_dict[FIELD_POLICY])
-    pm = request.config_dict[PLUGIN_MANAGER]
-
-    def count() -> int:
-        with errors_named_for(typed):
-            pm.hook.lockgate_validate_request(request=typed, model=model)
-            return len(prompt_token_ids(pm, typed, model))
-
-    context = contextvars.copy_context()
-    tokens = await asyncio.get_running_loop().run_in_executor(None, context.run, count)
-    return web.json_response({"input_tokens": tokens})
+    tokens = await count_prompt_tokens(request.config_dict[PLUGIN_MANAGER], typed, model)
+    return web.json_response({"input_tokens": len(tokens)})
 

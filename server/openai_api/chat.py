@@ -13,7 +13,7 @@ from lockgate.engine import Delta, Handle
 from lockgate.engine.sampling import TokenLogprob
 from lockgate.models import Model
 from lockgate.plugin_api.output import Output, OutputReader
-from lockgate.plugin_api.pipeline import output_parser
+from lockgate.plugin_api.decoding import decoding_for
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.plugin_api.request import CHAT_ENDPOINT, ChatRequest, parse_request
 from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
@@ -109,7 +109,7 @@ def _parse(request: web.Request, body: dict[str, Any], model: Model) -> ChatRequ
 async def _answer(request: web.Request, typed: ChatRequest, model: Model, handles: list[Handle]):
     builder = ChatCompletionBuilder(request_id=typed.id, model=model.name, token_bytes=model.token_bytes)
     # the thinking and the tool calls are read out of the text here
-    parser = output_parser(typed, model, handles[0])
+    parser = decoding_for(typed, model).reader(handles[0].work.prompt_token_ids)
     thinks = parser.reasoning is not None
     if thinks:
         builder.reasoning_tokens = 0

@@ -24,7 +24,7 @@ from lockgate.engine import Handle
 from lockgate.errors import ErrorResponse, LockgateError
 from lockgate.models import Model
 from lockgate.plugin_api.output import Output
-from lockgate.plugin_api.pipeline import output_parser
+from lockgate.plugin_api.decoding import decoding_for
 from lockgate.plugin_api.readers import Message, string
 from lockgate.plugin_api.responses import ResponsesRequest, parse_responses_request
 from lockgate.plugin_api.tool_calls import ToolCall
@@ -189,7 +189,7 @@ def _parse(request: web.Request, body: dict[str, Any], model: Model) -> Response
 
 async def _answer(request: web.Request, typed: ResponsesRequest, model: Model, handles: list[Handle]):
     store, owner = request.config_dict[RESPONSE_STORE], owner_of(request)
-    parser = output_parser(typed, model, handles[0])
+    parser = decoding_for(typed, model).reader(handles[0].work.prompt_token_ids)
     builder = ResponseObjectBuilder(typed, model.name)
     if typed.stream:
         return await _stream(request, typed, handles, builder, parser, store, owner)

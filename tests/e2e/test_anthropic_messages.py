@@ -121,6 +121,23 @@ async def test_errors_are_anthropics_and_the_sdk_raises_its_classes(tiny_model, 
     assert ok.usage.output_tokens == 3 and ok.stop_reason == "max_tokens"
 
 
+async def test_every_error_under_the_messages_sub_app_is_anthropics(tiny_model, make_client):
+    """The sub-app carries its error writer: a route or method it lacks is
+    answered in Anthropic's envelope, a neighbour under /v1 in OpenAI's."""
+    client = await make_client(tiny_model)
+    for method, path, status, kind in [("POST", "/v1/messages/nope", 404, "not_found_error"),
+                                       ("GET", "/v1/messages", 405, "invalid_request_error"),
+                                       ("GET", "/v1/messages/count_tokens", 405, "invalid_request_error")]:
+        response = await client.request(method, path, json={})
+        body = await response.json()
+        assert response.status == status and body["type"] == "error", (path, body)
+        assert body["error"]["type"] == kind and body["error"]["message"]
+    for path in ("/v1/messagesx", "/v1/nope"):
+        response = await client.post(path, json={})
+        assert response.status == 404
+        assert set((await response.json())["error"]) == {"message", "type", "param", "code"}
+
+
 @pytest.mark.parametrize("body, where", [
     ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     ({"max_tokens": 4, "messages": []}, "messages"),
