@@ -31,7 +31,8 @@ from executor import default_model_path  # noqa: E402
 from lockgate.engine.params import SamplingParams  # noqa: E402
 from lockgate.engine.sampling import SamplingRow, make_generator  # noqa: E402
 from lockgate.models.config import ModelConfig  # noqa: E402
-from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
+from lockgate.engine.executor import ExecutorOptions  # noqa: E402
+from lockgate.models.model_file import ModelFile  # noqa: E402
 
 KINDS = {
     "greedy": dict(temperature=0.0),

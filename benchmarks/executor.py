@@ -113,7 +113,8 @@ class LockgateRunner:
         prefer_runtime_library()
 
         from lockgate.models.config import ModelConfig
-        from lockgate.models.executor import ExecutorOptions, ModelFile
+        from lockgate.engine.executor import ExecutorOptions
+        from lockgate.models.model_file import ModelFile
         from lockgate.models.gguf_metadata import GGUFMetadata
         from lockgate.plugins.tvm.executor import create_executor
 

@@ -19,7 +19,8 @@ import time
 import gguf
 import numpy as np
 
-from lockgate.models.executor import ExecutorOptions, ModelFile
+from lockgate.engine.executor import ExecutorOptions
+from lockgate.models.model_file import ModelFile
 from lockgate.models.config import ModelConfig
 
 

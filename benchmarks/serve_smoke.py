@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,11 +21,8 @@ import urllib.request
 
 import openai
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from load import free_port  # noqa: E402 (beside this script, not a package)
 
 
 def start_server(model: str, cache_dir: str, port: int) -> tuple[subprocess.Popen, float]:

@@ -53,7 +53,6 @@ import os
 import pathlib
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,6 +63,7 @@ import aiohttp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from load import free_port  # noqa: E402 (beside this script)
 from soak_requests import (  # noqa: E402 (beside this script, not a package)
     CHAT, COMPLETIONS, MALFORMED, WHOLE_NOT_EQUAL, normal_requests, oversized_and_malformed, parse,
 )
@@ -453,12 +453,6 @@ class Soak:
             return 1
         print("no violation")
         return 0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def model_path(name: str, workdir: pathlib.Path) -> str:

@@ -31,7 +31,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from lockgate.models.config import ModelConfig
-    from lockgate.models.executor import ExecutorOptions, ModelFile
+    from lockgate.engine.executor import ExecutorOptions
+    from lockgate.models.model_file import ModelFile
     from lockgate.models.gguf_metadata import GGUFMetadata
     from lockgate.plugins.models import locate_smollm2
     from lockgate.plugins.tvm.executor import create_executor

@@ -192,8 +192,9 @@ SETTINGS: tuple[Setting, ...] = (
             "speculate only while a step decodes at most this many choices (each draft costs a row)"),
     Setting("engine", str, None,
             "what runs the model's requests: `local` (continuous batching in this process) or an engine "
-            "plugin's name (`lockgate_register_engines`; built in: `ray`, replicas on Ray Serve)",
-            default_text="`ray` where `--replicas` is given, else `local`", metavar="NAME"),
+            "plugin's name (`lockgate_register_engines`)",
+            default_text="`local`, or the engine a given setting of its plugin chooses (`--replicas`: `ray`)",
+            metavar="NAME"),
     Setting("shutdown_grace", float, 30.0, "seconds in-flight requests get after SIGTERM"),
     Setting("log_format", str, "auto", "`console`, `json`, or `auto` (console on a TTY, json otherwise)",
             choices=("auto", "console", "json")),
@@ -387,18 +388,10 @@ class Settings:
         """The `ExecutorOptions` these settings hold: the sizes, and every
         plugin's settings for the executor to read its own from."""
         # imported here: those modules take their defaults from this one
-        from lockgate.models.executor import ExecutorOptions
+        from lockgate.engine.executor import ExecutorOptions
 
         return ExecutorOptions(**self._held_by(ExecutorOptions), plugin_settings=dict(self.plugins),
                                progress=progress)
-
-    @property
-    def engine_name(self) -> str:
-        """The engine `engine` names, or the one its default stands for:
-        `ray` where the Ray plugin's `--replicas` was given, else `local`."""
-        if self.engine:
-            return self.engine
-        return "local" if self.plugins.get("replicas") is None else "ray"
 
     def engine_options(self):
         """The `EngineOptions` these settings hold."""

@@ -39,7 +39,7 @@ from lockgate.engine.work import Work
 from lockgate.errors import InternalError, Unavailable
 
 if TYPE_CHECKING:  # the engine needs the interface only to name it
-    from lockgate.models.executor import Executor
+    from lockgate.engine.executor import Executor
 
 log = structlog.get_logger("lockgate.engine")
 

@@ -15,7 +15,8 @@ import pluggy
 from lockgate.engine import Engine, EngineClient, EngineOptions
 from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
 from lockgate.memory import trim_allocator
-from lockgate.models.executor import Executor, ExecutorFactory, ExecutorOptions, ModelFile
+from lockgate.engine.executor import Executor, ExecutorFactory, ExecutorOptions
+from lockgate.models.model_file import ModelFile
 from lockgate.models.config import ModelConfig
 from lockgate.models.families import ModelFamilies, ModelFamily
 from lockgate.plugin_api.reasoning import choose_reasoning_format
@@ -113,20 +114,47 @@ def registered_executors(pm: pluggy.PluginManager) -> dict[str, ExecutorFactory]
 EngineLoader = Callable[[pluggy.PluginManager, Any, Callable[[str], None]], "Model"]
 
 
-def registered_engines(pm: pluggy.PluginManager) -> dict[str, EngineLoader]:
+@dataclasses.dataclass(frozen=True)
+class EngineEntry:
+    """An engine a plugin offers: its loader and, optionally, the setting
+    of that plugin whose being given chooses it when `--engine` is not."""
+
+    load: EngineLoader
+    chosen_by: str | None = None
+
+
+def registered_engines(pm: pluggy.PluginManager) -> dict[str, EngineEntry]:
     """Every engine plugins offer, by name."""
-    return _by_name(pm.hook.lockgate_register_engines)
+    offered: dict[str, EngineEntry] = {}
+
+    def register(name: str, load: EngineLoader, *, chosen_by: str | None = None) -> None:
+        offered[name] = EngineEntry(load, chosen_by)
+
+    pm.hook.lockgate_register_engines(register=register)
+    return offered
+
+
+def chosen_engine(settings, engines: dict[str, EngineEntry]) -> str:
+    """The engine `--engine` names; where it names none, the first engine
+    whose `chosen_by` setting was given (the Ray plugin's `--replicas`
+    chooses `ray`), else `local`."""
+    if settings.engine:
+        return settings.engine
+    for name, entry in engines.items():
+        if entry.chosen_by is not None and getattr(settings, entry.chosen_by, None) is not None:
+            return name
+    return "local"
 
 
 def load_served_model(pm: pluggy.PluginManager, settings, progress: Callable[[str], None] | None = None) -> "Model":
     """The model `settings` names, loaded by the engine they choose
-    (`Settings.engine_name`)."""
-    loaders = registered_engines(pm)
-    name = settings.engine_name
-    if name not in loaders:
-        known = ", ".join(sorted(loaders)) or "none"
+    (`chosen_engine`)."""
+    engines = registered_engines(pm)
+    name = chosen_engine(settings, engines)
+    if name not in engines:
+        known = ", ".join(sorted(engines)) or "none"
         raise ModelLoadError(f"no engine named {name!r} (engines: {known})")
-    return loaders[name](pm, settings, progress or (lambda message: None))
+    return engines[name].load(pm, settings, progress or (lambda message: None))
 
 
 def registered_families(pm: pluggy.PluginManager) -> ModelFamilies:

@@ -16,7 +16,8 @@ engine and the models import `hookimpl` from here):
 * `Work`, `EngineClient`, `Handle` (`lockgate.engine`): the engine seam,
   which the in-process `Engine` and engine plugins implement.
 * `ErrorResponse` (`lockgate.errors`).
-* `ModelFile`, `ExecutorOptions`, `Executor` (`lockgate.models.executor`).
+* `ExecutorOptions`, `Executor` (`lockgate.engine.executor`) and `ModelFile`
+  (`lockgate.models.model_file`).
 * `ModelFamily` (`lockgate.models.families`).
 * `Drafter` (`lockgate.engine.speculation`): proposes draft tokens for
   speculative decoding.
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
     from lockgate.engine.speculation import Drafter
     from lockgate.errors import ErrorResponse
     from lockgate.models import Model, ModelSpec
-    from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
+    from lockgate.engine.executor import Executor, ExecutorOptions
+    from lockgate.models.model_file import ModelFile
     from lockgate.models.families import ModelFamily
     from lockgate.plugin_api.reasoning import ReasoningFormat
     from lockgate.plugin_api.request import GenerationRequest
@@ -181,7 +183,9 @@ def lockgate_register_engines(
         progress)` loads the model `settings` names and returns a `Model`
         whose `engine` is an `EngineClient` (`lockgate.engine.client`),
         calling `progress(message)` as it goes. `--engine` chooses one by
-        name; `local` (built in) runs the engine in this process.
+        name; `local` (built in) runs the engine in this process. With
+        `register(name, load, chosen_by="a_setting")`, giving that setting
+        (one the plugin adds) chooses the engine when `--engine` is not set.
     :returns: nothing; the return value is ignored.
     :raises: `lockgate.errors.ModelLoadError` to stop start-up with a message.
 

@@ -51,7 +51,8 @@ SETTINGS = (
 
 @hookimpl
 def lockgate_register_engines(register):
-    register("ray", serve_on_ray)
+    # `--replicas` chooses this engine when `--engine` names none
+    register("ray", serve_on_ray, chosen_by="replicas")
 
 
 @hookimpl

@@ -11,7 +11,8 @@ import structlog
 
 from lockgate.errors import ModelLoadError
 from lockgate.memory import Trimmer
-from lockgate.models.executor import Executor, ExecutorOptions, ModelFile
+from lockgate.engine.executor import Executor, ExecutorOptions
+from lockgate.models.model_file import ModelFile
 from lockgate.plugins.tvm import runtime
 from lockgate.plugins.tvm.device_logits import DeviceLogits, View
 from lockgate.plugins.tvm.kv import CPUCache, TVMCache

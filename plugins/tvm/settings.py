@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from lockgate.models.executor import ExecutorOptions
+from lockgate.engine.executor import ExecutorOptions
 from lockgate.settings import Setting
 
 SETTINGS = (

@@ -31,7 +31,7 @@ import numpy as np
 from lockgate.errors import ModelLoadError
 from lockgate.memory import trim_allocator
 from lockgate.models.config import ModelConfig
-from lockgate.models.executor import ModelFile
+from lockgate.models.model_file import ModelFile
 from lockgate.plugins.tvm import runtime
 from lockgate.plugins.tvm.formats import FORMATS, pack_blocks, split_groups
 from lockgate.plugins.tvm.gguf_tensors import FORMAT_OF_TYPE, PLAIN_TYPES, TYPE_OF_FORMAT, GGUFTensors

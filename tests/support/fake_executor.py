@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lockgate.models.executor import Executor
+from lockgate.engine.executor import Executor
 
 
 class FakeExecutor(Executor):

@@ -109,7 +109,7 @@ def word_tokens(tokenizer) -> list[int]:
 
 
 def create_zero_cost_executor(model_file, options) -> ZeroCostExecutor:
-    """An executor factory (`lockgate.models.executor.ExecutorFactory`):
+    """An executor factory (`lockgate.engine.executor.ExecutorFactory`):
     sized by the server's executor options, its words read from the
     model's own tokenizer."""
     from lockgate.models.gguf_metadata import GGUFMetadata

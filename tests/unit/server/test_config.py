@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from lockgate import hookimpl
+from lockgate.models.loading import chosen_engine, registered_engines
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.server.config import Settings, serve_parser, settings_from_args
 from lockgate.settings import InvalidSetting, Setting, settings_table
@@ -44,7 +45,7 @@ def test_flags_override_environment(monkeypatch):
 
 def test_options_defaults_come_from_the_settings_table():
     from lockgate.engine import EngineOptions
-    from lockgate.models.executor import ExecutorOptions
+    from lockgate.engine.executor import ExecutorOptions
 
     assert Settings().engine_options() == EngineOptions()
     assert Settings().executor_options() == ExecutorOptions()
@@ -61,8 +62,10 @@ def test_a_plugins_settings_are_flags_variables_and_attributes(monkeypatch):
     assert {k: settings.plugins[k] for k in ("target", "num_threads", "replicas", "cache_dir")} == {
         "target": "llvm", "num_threads": 3, "replicas": "2", "cache_dir": None}
     assert settings.executor_options().plugin_settings == settings.plugins
-    assert settings.engine_name == "ray"
-    assert settings.replaced(replicas=None).engine_name == "local"
+    engines = registered_engines(get_plugin_manager(autoload=False))
+    assert chosen_engine(settings, engines) == "ray"
+    assert chosen_engine(settings.replaced(replicas=None), engines) == "local"
+    assert chosen_engine(settings.replaced(engine="local"), engines) == "local"
     with pytest.raises(AttributeError):
         Settings().no_such_setting
 

@@ -1,4 +1,5 @@
-"""The executor interface: what the engine asks of a compiled model.
+"""The executor interface: what the engine asks of a compiled model, next
+to the engine that calls it.
 
 An executor owns the weights and a paged KV cache and runs forward passes for
 sequences the engine names by integer ids. It knows nothing of requests,
@@ -11,16 +12,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lockgate.engine.sampling import SamplingRow, TokenLogprob, sample_batch
-from lockgate.models.config import ModelConfig
-from lockgate.models.families import ModelFamily
-from lockgate.models.gguf_metadata import GGUFMetadata
 from lockgate.settings import setting_default
+
+if TYPE_CHECKING:
+    from lockgate.models.model_file import ModelFile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,21 +49,6 @@ class ExecutorOptions:
         plugin = {name: value for name, value in values.items() if name not in own}
         return cls(**{name: value for name, value in values.items() if name in own},
                    plugin_settings={**values.get("plugin_settings", {}), **plugin})
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFile:
-    """A model's weights on disk together with its architecture."""
-
-    path: Path
-    config: ModelConfig
-    #: the family that runs `config.architecture`; None lets the executor
-    #: look it up among the families it ships
-    family: ModelFamily | None = None
-    #: the file's metadata and tensor table as the loader already read them,
-    #: so an executor need not parse the header again; None when the caller
-    #: did not read them (the executor then reads them from `path`)
-    metadata: GGUFMetadata | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 class Executor(abc.ABC):
@@ -170,4 +155,4 @@ class Executor(abc.ABC):
         """Release the cache and weights. Idempotent."""
 
 
-ExecutorFactory = Callable[[ModelFile, ExecutorOptions], Executor]
+ExecutorFactory = Callable[["ModelFile", ExecutorOptions], Executor]
