@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "support"))
 
 from lockgate.engine import EngineOptions  # noqa: E402
-from lockgate.models.executor import ExecutorOptions  # noqa: E402
+from lockgate.engine.executor import ExecutorOptions  # noqa: E402
 from lockgate.logging import configure_logging  # noqa: E402
 from lockgate.models import load_model  # noqa: E402
 from lockgate.plugin_api.manager import get_plugin_manager  # noqa: E402
@@ -29,11 +29,12 @@ configure_logging("console", "info")
 
 #: fixtures that load a model compiled by TVM (the executor's tests compile their own)
 _COMPILED_FIXTURES = {"load_tiny", "tiny_model", "load_instrumented", "default_model", "default_model_int8"}
-#: what in a test module's source says it compiles with TVM itself
-_COMPILES = ("import tvm", "from tvm", "compile_model", "create_executor", "tvm.compile")
-#: modules that drive whole processes (servers, soaks, scripts) for a minute or more
-_SLOW_MODULES = {"test_fuzz", "test_soak", "test_gpu_check_smoke", "test_launch", "test_ray_serve", "test_agents_sdk",
-                 "test_lm_eval"}
+#: fixtures that load the real default model
+_DEFAULT_MODEL_FIXTURES = {"default_model", "default_model_int8"}
+#: folders under tests/ whose every test needs what the marker names; a
+#: module elsewhere says so itself (`pytestmark = pytest.mark.tvm`, `.slow`, `.ray`)
+FOLDER_MARKERS = {"unit/tvm": "tvm", "unit/ray": "ray"}
+_TESTS = pathlib.Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,22 +42,18 @@ def pytest_collection_modifyitems(config, items):
     (`pytest -m "not tvm and not ray and not default_model and not slow"`):
     `tvm` where it compiles or loads a compiled model, `default_model` where
     it loads the real default model, `ray` for the Ray plugin's tests,
-    `slow` for whole-process runs."""
-    compiles: dict[str, bool] = {}
+    `slow` for whole-process runs. A test's folder (`FOLDER_MARKERS`) and
+    the fixtures it asks for mark it here; a module marks itself with
+    `pytestmark`."""
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module not in compiles:
-            source = pathlib.Path(item.module.__file__).read_text()
-            compiles[module] = any(marker in source for marker in _COMPILES)
+        folder = pathlib.Path(item.path).resolve().parent.relative_to(_TESTS).as_posix()
+        if folder in FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, FOLDER_MARKERS[folder]))
         fixtures = set(getattr(item, "fixturenames", ()))
-        if compiles[module] or fixtures & _COMPILED_FIXTURES:
+        if fixtures & _COMPILED_FIXTURES:
             item.add_marker(pytest.mark.tvm)
-        if fixtures & {"default_model", "default_model_int8"}:
+        if fixtures & _DEFAULT_MODEL_FIXTURES:
             item.add_marker(pytest.mark.default_model)
-        if "ray" in module:
-            item.add_marker(pytest.mark.ray)
-        if module in _SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

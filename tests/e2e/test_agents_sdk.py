@@ -11,7 +11,7 @@ import pytest
 
 import agents  # noqa: E402  (openai-agents, in the test extra)
 
-pytestmark = pytest.mark.default_model
+pytestmark = [pytest.mark.default_model, pytest.mark.slow]
 
 WEATHER = {"paris": "18 C, cloudy", "oslo": "4 C, snow", "lima": "22 C, sunny"}
 

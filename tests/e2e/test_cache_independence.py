@@ -16,7 +16,7 @@ import pytest
 from tiny_model import FAMILY_VARIANTS, KQUANT_CONFIG, Q4_K_M, write_tiny_gguf
 
 from lockgate.engine import EngineOptions
-from lockgate.models.executor import ExecutorOptions
+from lockgate.engine.executor import ExecutorOptions
 from lockgate.models.loading import load_model
 from lockgate.plugin_api.manager import get_plugin_manager
 

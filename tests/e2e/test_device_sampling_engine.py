@@ -19,7 +19,7 @@ import pytest
 
 from lockgate.engine.params import SamplingParams
 from lockgate.engine.sampling import SamplingRow, make_generator, sample_batch
-from lockgate.models.executor import ExecutorOptions
+from lockgate.engine.executor import ExecutorOptions
 from lockgate.plugins.tvm.settings import TVMOptions
 
 tvm = pytest.importorskip("tvm")

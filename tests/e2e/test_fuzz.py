@@ -20,7 +20,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from fuzzing import CHAT, Case, cases, check_answer, send
-from test_launch import free_port, stop
+from processes import free_port, stop
+
+pytestmark = pytest.mark.slow
 
 #: per-request deadline: a hang is a failure, not a slow test
 DEADLINE_SECONDS = 30

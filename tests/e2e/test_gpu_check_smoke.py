@@ -26,6 +26,8 @@ from lockgate.models.config import ModelConfig  # noqa: E402
 from lockgate.models.gguf_metadata import GGUFMetadata  # noqa: E402
 from lockgate.models.tokenizer import load_tokenizer  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 #: a small shape unlike the tiny one: GQA 4:1, a vocabulary padded with placeholders, untied head
 SHAPE = random_gguf.Shape(
     "test",

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from test_error_contract import CHAT, GOOD, assert_error, assert_still_serving
+from error_checks import CHAT, GOOD, assert_error, assert_still_serving
 
 ORIGIN = "https://app.example"
 PREFLIGHT = {

@@ -3,53 +3,17 @@ gunicorn's aiohttp worker; graceful SIGTERM; a clear error for a bad model."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import openai
+from processes import free_port, start, stop, wait_healthy
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(process, port: int, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited with {process.returncode}: {process.stderr.read()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("server did not become healthy")
-
-
-def start(args, env_extra=None):
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
-def stop(process) -> tuple[int, str]:
-    process.send_signal(signal.SIGTERM)
-    try:
-        _, err = process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, err = process.communicate()
-        raise AssertionError(f"server ignored SIGTERM: {err}")
-    return process.returncode, err
+pytestmark = pytest.mark.slow
 
 
 def chat(port: int, model: str = "tiny") -> str:

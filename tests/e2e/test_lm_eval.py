@@ -15,7 +15,9 @@ import urllib.request
 import pytest
 
 from paths import DATA
-from test_launch import free_port, stop, wait_healthy
+from processes import free_port, stop, wait_healthy
+
+pytestmark = pytest.mark.slow
 
 TASK_DIR = DATA / "lm_eval"
 

@@ -7,19 +7,7 @@ import math
 import openai
 import pytest
 
-from helpers import wait_idle
-
-# Raises on any conversation that does not alternate user/assistant starting
-# with user, as many real templates do (Mistral, Llama 2).
-ALTERNATING_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from helpers import ALTERNATING_TEMPLATE, wait_idle
 
 USER = [{"role": "user", "content": "the cat sat on the mat"}]
 

@@ -20,6 +20,8 @@ from lockgate import hookimpl
 from lockgate.errors import InvalidRequestError, PluginError
 from lockgate.plugin_api.manager import DEFAULT_PLUGINS, describe_plugins, get_plugin_manager
 
+pytestmark = pytest.mark.tvm
+
 
 PLUGIN_SOURCE = '''
 from lockgate import hookimpl

@@ -29,7 +29,9 @@ from paths import ROOT, SUPPORT
 from helpers import TINY_EXECUTOR, wait_for
 from lockgate.plugin_api.manager import get_plugin_manager
 from poisoned_executor import POISON
-from test_launch import free_port
+from processes import free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 TESTS = SUPPORT  # what replicas import the test doubles from
 EXECUTOR_FLAGS = [f"--{key.replace('_', '-')}={value}" for key, value in TINY_EXECUTOR.items()]

@@ -13,7 +13,7 @@ import pytest
 
 from llama_cpp_reference import reference_models_dir
 from lockgate.models import load_model
-from lockgate.models.executor import ExecutorOptions
+from lockgate.engine.executor import ExecutorOptions
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.plugin_api.output import OutputParser
 from lockgate import hookimpl

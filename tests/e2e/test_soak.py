@@ -6,10 +6,14 @@ leaked or answered 5xx; memory that levels off."""
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 
 from paths import ROOT
+
+pytestmark = pytest.mark.slow
 
 
 def soak(*args: str) -> str:

@@ -15,6 +15,18 @@ from lockgate import hookimpl
 #: executor options every tiny model is loaded with
 TINY_EXECUTOR = dict(max_num_seqs=8, max_total_tokens=4096, prefill_chunk_size=256)
 
+# Raises on any conversation that does not alternate user/assistant starting
+# with user, as many real templates do (Mistral, Llama 2).
+ALTERNATING_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 
 async def wait_idle(engine, timeout: float = 60.0) -> dict:
     """Wait until the engine holds no request and no KV page; return its stats

@@ -281,7 +281,7 @@ async def test_an_abort_mid_run_frees_everything(running):
 
 def test_only_an_executor_that_truncates_speculates():
     from fake_executor import FakeExecutor
-    from lockgate.models.executor import Executor
+    from lockgate.engine.executor import Executor
 
     class Bare(Executor):
         add_sequence = remove_sequence = fork_sequence = prefill = decode = free_pages = lambda *a: None

@@ -15,10 +15,12 @@ import pytest
 from tiny_model import write_hf_directory, write_tiny_gguf  # noqa: E402
 
 from lockgate.errors import ModelLoadError  # noqa: E402
-from lockgate.models.executor import ExecutorOptions  # noqa: E402
+from lockgate.engine.executor import ExecutorOptions  # noqa: E402
 from lockgate.models.hf import llama3_rope_factors  # noqa: E402
 from lockgate.models.loading import open_model  # noqa: E402
 from lockgate.plugin_api.manager import get_plugin_manager  # noqa: E402
+
+pytestmark = pytest.mark.tvm
 
 PROMPT = [1, 70, 71, 72, 260, 261, 262, 30, 40, 50, 2, 198, 45, 46]
 STEPS = [265, 3, 100]

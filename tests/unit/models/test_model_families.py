@@ -16,10 +16,13 @@ from tiny_model import FAMILY_VARIANTS as VARIANTS, LLAMA3_FACTORS, write_tiny_g
 from lockgate.engine import EngineOptions  # noqa: E402
 from lockgate.errors import ModelLoadError  # noqa: E402
 from lockgate.models.config import ModelConfig  # noqa: E402
-from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
+from lockgate.engine.executor import ExecutorOptions  # noqa: E402
+from lockgate.models.model_file import ModelFile  # noqa: E402
 from lockgate.models.gguf_metadata import GGUFMetadata  # noqa: E402
 from lockgate.plugin_api.manager import get_plugin_manager  # noqa: E402
 from lockgate.models.loading import open_model, registered_families  # noqa: E402
+
+pytestmark = pytest.mark.tvm
 
 PROMPT = [1, 70, 71, 72, 260, 261, 262, 30, 40, 50, 2, 198, 45, 46, 47, 48, 49, 51, 52]
 DECODE_TOKENS = [265, 3, 100, 290]

@@ -22,7 +22,8 @@ from tiny_model import write_tiny_gguf  # noqa: E402
 from lockgate.engine.params import SamplingParams  # noqa: E402
 from lockgate.engine.sampling import SamplingRow, make_generator, sample_batch  # noqa: E402
 from lockgate.models.config import ModelConfig  # noqa: E402
-from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
+from lockgate.engine.executor import ExecutorOptions  # noqa: E402
+from lockgate.models.model_file import ModelFile  # noqa: E402
 
 tvm = pytest.importorskip("tvm")
 

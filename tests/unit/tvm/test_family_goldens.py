@@ -27,7 +27,8 @@ sys.path.insert(0, str(DATA))
 from record_family_goldens import CASES, prompt_ids, write_case  # noqa: E402
 
 from lockgate.models.config import ModelConfig  # noqa: E402
-from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
+from lockgate.engine.executor import ExecutorOptions  # noqa: E402
+from lockgate.models.model_file import ModelFile  # noqa: E402
 from lockgate.models.gguf_metadata import GGUFMetadata  # noqa: E402
 
 GOLDENS = json.loads((DATA / "family_goldens.json").read_text())

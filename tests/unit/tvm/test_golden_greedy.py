@@ -15,7 +15,8 @@ import os
 import pytest
 
 from golden import GREEDY_IDS, PROMPT_IDS
-from lockgate.models.executor import ExecutorOptions, ModelFile
+from lockgate.engine.executor import ExecutorOptions
+from lockgate.models.model_file import ModelFile
 from lockgate.models.config import ModelConfig
 
 pytestmark = pytest.mark.default_model

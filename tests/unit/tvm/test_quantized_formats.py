@@ -22,7 +22,8 @@ from reference_model import reference_logits  # noqa: E402
 from tiny_model import KQUANT_CONFIG, Q4_K_M, write_tiny_gguf  # noqa: E402
 
 from lockgate.models.config import ModelConfig  # noqa: E402
-from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
+from lockgate.engine.executor import ExecutorOptions  # noqa: E402
+from lockgate.models.model_file import ModelFile  # noqa: E402
 from lockgate.plugins.tvm.formats import FORMATS, pack_blocks, unpack_values  # noqa: E402
 
 def test_every_packed_ggml_type_has_a_format():

@@ -18,14 +18,14 @@ import pytest
 
 from paths import SUPPORT  # noqa: E402
 from reference_model import read_tensor as _read, reference_logits  # noqa: E402
+from tiny_executor import PROMPT, make_executor  # noqa: E402
 from tiny_model import write_tiny_gguf  # noqa: E402
 
 from lockgate.errors import ModelLoadError  # noqa: E402
-from lockgate.models.executor import ExecutorOptions, ModelFile  # noqa: E402
+from lockgate.engine.executor import ExecutorOptions  # noqa: E402
 from lockgate.models.config import ModelConfig  # noqa: E402
 from lockgate.models.gguf_metadata import GGUFMetadata  # noqa: E402
 
-PROMPT = [1, 70, 71, 72, 260, 261, 262, 30, 40, 50, 2, 198]
 DECODE_TOKENS = [265, 3, 100, 290]
 
 
@@ -47,15 +47,6 @@ def tiny_files(tmp_path_factory) -> dict[str, pathlib.Path]:
     }
     files["untied"] = write_tiny_gguf(d / "tiny-untied.gguf", tie_word_embeddings=False, seed=3)
     return files
-
-
-def make_executor(path: pathlib.Path, cache: pathlib.Path, **options):
-    from lockgate.plugins.tvm.executor import create_executor
-
-    config = ModelConfig.from_gguf(gguf.GGUFReader(path))
-    opts = {"max_num_seqs": 4, "max_total_tokens": 1024, "prefill_chunk_size": 64}
-    opts.update(options)
-    return create_executor(ModelFile(path, config), ExecutorOptions.of(cache_dir=cache, **opts))
 
 
 @pytest.fixture(scope="module")
@@ -359,7 +350,7 @@ def test_second_start_reuses_compiled_library(tiny_files, tmp_path):
 _RUNTIME_ONLY_START = """
 import json, pathlib, sys
 sys.path[:0] = {tests!r}
-from test_tvm_executor import PROMPT, make_executor
+from tiny_executor import PROMPT, make_executor
 results = []
 for _ in range(2):
     ex = make_executor(pathlib.Path({model!r}), pathlib.Path({cache!r}))
@@ -385,7 +376,7 @@ def test_runtime_only_process_compiles_in_a_child_and_runs_the_cached_library(ex
     import subprocess
 
     script = _RUNTIME_ONLY_START.format(
-        tests=[str(SUPPORT), str(pathlib.Path(__file__).parent)], model=str(tiny_files["F32"]), cache=str(tmp_path)
+        tests=[str(SUPPORT)], model=str(tiny_files["F32"]), cache=str(tmp_path)
     )
     done = subprocess.run(
         [sys.executable, "-c", script],
