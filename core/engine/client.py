@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -175,3 +176,53 @@ class EngineClient(Protocol):
         """Admit `work` or raise why not (a `lockgate.errors` class)."""
 
     def stats(self) -> EngineStats: ...
+
+
+def conformance_problems(implementation: object, protocol: type) -> list[str]:
+    """What `implementation` (an object, or a class) lacks of `protocol` (a
+    `Protocol` such as `EngineClient` or `Handle`, or an ABC such as
+    `Executor`): each method it does not have, each method whose
+    parameters do not take the protocol's by name, and, for an object, each
+    property and declared attribute it does not hold. Empty when it
+    conforms. `isinstance` against a runtime-checkable protocol only looks
+    for names; this compares the calls."""
+    problems = []
+    is_class = isinstance(implementation, type)
+    cls = implementation if is_class else type(implementation)
+    for name, member in vars(protocol).items():
+        if name.startswith("_") and name not in ("__aiter__", "__anext__"):
+            continue
+        if not (inspect.isfunction(member) or isinstance(member, property)):
+            continue
+        # an object's own lookup (a wrapper may delegate through __getattr__)
+        own = inspect.getattr_static(cls, name, None) if is_class else getattr(implementation, name, None)
+        if isinstance(member, property):
+            # a property may be an attribute each instance sets: checked on objects
+            if not is_class and not hasattr(implementation, name):
+                problems.append(f"{cls.__name__} has no {name}")
+        elif own is None:
+            problems.append(f"{cls.__name__} has no {name}")
+        elif callable(own) or isinstance(own, (staticmethod, classmethod)):
+            problems.extend(_signature_problems(cls, name, member, getattr(implementation, name)))
+        else:
+            problems.append(f"{cls.__name__}.{name} is not a method")
+    if not is_class:
+        for name in getattr(protocol, "__annotations__", {}):
+            if not hasattr(implementation, name):
+                problems.append(f"{cls.__name__} has no attribute {name}")
+    return problems
+
+
+def _signature_problems(cls: type, name: str, declared, implemented) -> list[str]:
+    try:
+        wanted = inspect.signature(declared).parameters
+        given = inspect.signature(implemented).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return []
+    takes_any = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in given.values())
+    missing = [p for p in wanted if p not in given and p != "self"]
+    if missing and not takes_any:
+        return [f"{cls.__name__}.{name} does not take {', '.join(missing)}"]
+    extra = [p for p, value in given.items() if p not in wanted and value.default is value.empty
+             and value.kind not in (value.VAR_POSITIONAL, value.VAR_KEYWORD)]
+    return [f"{cls.__name__}.{name} requires {', '.join(extra)}, which callers do not pass"] if extra else []

@@ -11,16 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pluggy
+from transformers import PreTrainedTokenizerBase
 
 from lockgate.engine import Engine, EngineClient, EngineOptions
+from lockgate.engine.client import conformance_problems
 from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
 from lockgate.memory import trim_allocator
 from lockgate.engine.executor import Executor, ExecutorFactory, ExecutorOptions
 from lockgate.models.model_file import ModelFile
 from lockgate.models.config import ModelConfig
 from lockgate.models.families import ModelFamilies, ModelFamily
-from lockgate.plugin_api.reasoning import choose_reasoning_format
-from lockgate.plugin_api.tool_calls import chat_template_for, choose_tool_call_format
+from lockgate.models.gguf_metadata import GGUFMetadata
+from lockgate.plugin_api.reasoning import ReasoningFormat, choose_reasoning_format
+from lockgate.plugin_api.tool_calls import ToolCallFormat, chat_template_for, choose_tool_call_format
 from lockgate.settings import setting_default
 
 
@@ -42,18 +45,18 @@ class Model:
     name: str
     path: Path
     config: ModelConfig
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     eos_token_ids: list[int]
     executor: Executor | None
     engine: EngineClient
     aliases: tuple[str, ...] = ()
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    #: how this model writes tool calls (`lockgate.plugin_api.tool_calls.ToolCallFormat`)
-    tool_call_format: Any = None
+    #: how this model writes tool calls; None where no format fits its template
+    tool_call_format: ToolCallFormat | None = None
     #: most calls one answer may carry (`--max-tool-calls`)
     max_tool_calls: int = setting_default("max_tool_calls")
-    #: how this model writes its thinking (`lockgate.plugin_api.reasoning.ReasoningFormat`)
-    reasoning_format: Any = None
+    #: how this model writes its thinking; None where it does not think
+    reasoning_format: ReasoningFormat | None = None
 
     @functools.cached_property
     def token_bytes(self):
@@ -154,7 +157,12 @@ def load_served_model(pm: pluggy.PluginManager, settings, progress: Callable[[st
     if name not in engines:
         known = ", ".join(sorted(engines)) or "none"
         raise ModelLoadError(f"no engine named {name!r} (engines: {known})")
-    return engines[name].load(pm, settings, progress or (lambda message: None))
+    model = engines[name].load(pm, settings, progress or (lambda message: None))
+    problems = conformance_problems(model.engine, EngineClient)
+    if problems:
+        model.close()
+        raise ModelLoadError(f"the engine {name!r} does not implement EngineClient: {'; '.join(problems)}")
+    return model
 
 
 def registered_families(pm: pluggy.PluginManager) -> ModelFamilies:
@@ -194,20 +202,21 @@ class ModelSource:
     name: str
     path: Path
     config: ModelConfig
-    metadata: Any
-    tokenizer: Any
+    #: the GGUF header as read (None for a Hugging Face directory)
+    metadata: GGUFMetadata | None
+    tokenizer: PreTrainedTokenizerBase
     eos_token_ids: list[int]
     #: the family that runs the file's architecture
     family: ModelFamily | None = None
     aliases: tuple[str, ...] = ()
-    tool_call_format: Any = None
+    tool_call_format: ToolCallFormat | None = None
     max_tool_calls: int = setting_default("max_tool_calls")
-    reasoning_format: Any = None
+    reasoning_format: ReasoningFormat | None = None
 
     def model_file(self) -> ModelFile:
         return ModelFile(path=self.path, config=self.config, family=self.family, metadata=self.metadata)
 
-    def serve_with(self, engine: Any, executor: Executor | None = None) -> Model:
+    def serve_with(self, engine: EngineClient, executor: Executor | None = None) -> Model:
         """The `Model` this source becomes with `engine` serving it
         (`executor` None: the engine runs elsewhere)."""
         return Model(
@@ -337,6 +346,11 @@ def load_model(
     )
     backend = factories[executor](source.model_file(), executor_options)
     source.metadata = None
+    problems = conformance_problems(backend, Executor)
+    if problems:
+        if hasattr(backend, "close"):
+            backend.close()
+        raise ModelLoadError(f"the executor {executor!r} does not implement the interface: {'; '.join(problems)}")
     engine = Engine(
         backend,
         source.tokenizer,
