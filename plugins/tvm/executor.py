@@ -17,6 +17,7 @@ from lockgate.plugins.tvm import runtime
 from lockgate.plugins.tvm.device_logits import DeviceLogits, View
 from lockgate.plugins.tvm.kv import CPUCache, TVMCache
 from lockgate.plugins.tvm.settings import TVMOptions
+from lockgate.plugins.tvm.weight_streaming import Uploads
 
 log = structlog.get_logger("lockgate.executor")
 
@@ -106,9 +107,10 @@ class TVMExecutor(Executor):
         self.device = runtime.device("cuda" if cuda else "cpu")
 
         self._progress("loading weights…")
+        uploads = Uploads(self.device)
         try:
             self._params = [
-                weights.upload(array, self.device)
+                uploads.tensor(array)
                 for array in iter_gguf_weights(
                     tensors,
                     config,
@@ -118,6 +120,7 @@ class TVMExecutor(Executor):
                     gpu=cuda,
                     permuted_qk=permuted_qk,
                     contiguous=False,
+                    allocate=uploads.allocate,
                 )
             ]
         except OSError as exc:

@@ -121,6 +121,15 @@ class GGUFTensors:
             raise ModelLoadError(f"tensor {name!r} is {self.tensor_type(name).name}, not {fmt}")
         return pack_blocks(tensor.data, rows, cols, fmt)
 
+    def quantized_rows(self, name: str, rows: int, cols: int, fmt: str, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Rows `start` to `stop` of `quantized(name, rows, cols, fmt)`,
+        read from the file's pages for those rows alone."""
+        tensor = self._checked(name, (rows, cols))
+        if self.tensor_type(name) != TYPE_OF_FORMAT[fmt]:
+            raise ModelLoadError(f"tensor {name!r} is {self.tensor_type(name).name}, not {fmt}")
+        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1)[start:stop]
+        return pack_blocks(raw, stop - start, cols, fmt)
+
     def _checked(self, name: str, shape: tuple[int, ...]):
         tensor = self._tensors.get(name)
         if tensor is None:

@@ -32,9 +32,9 @@ from lockgate.errors import ModelLoadError
 from lockgate.memory import trim_allocator
 from lockgate.models.config import ModelConfig
 from lockgate.models.model_file import ModelFile
-from lockgate.plugins.tvm import runtime
 from lockgate.plugins.tvm.formats import FORMATS, pack_blocks, split_groups
 from lockgate.plugins.tvm.gguf_tensors import FORMAT_OF_TYPE, PLAIN_TYPES, TYPE_OF_FORMAT, GGUFTensors
+from lockgate.plugins.tvm.weight_streaming import Allocate, streamed_module
 
 def undo_rope_permutation(w: np.ndarray, n_head: int) -> np.ndarray:
     """Invert llama.cpp's Q/K row permutation on an (out, in) matrix."""
@@ -235,6 +235,7 @@ def iter_gguf_weights(
     gpu: bool = False,
     permuted_qk: bool = True,
     contiguous: bool = True,
+    allocate: Allocate | None = None,
 ) -> Iterator[np.ndarray]:
     """The model's parameters as contiguous arrays, in the given order, one
     at a time, so a caller that copies each to a device never holds the
@@ -254,6 +255,8 @@ def iter_gguf_weights(
         possibly a strided view (a transposed, paneled weight), for a
         caller that copies it into its destination in one pass anyway:
         making it contiguous first is a second full copy of the weight.
+    :param allocate: where to write packed modules chunk by chunk
+        (`weight_streaming.Uploads.allocate`); None reads each tensor whole.
     :raises ModelLoadError: a tensor is missing, mis-shaped or of a type that
         cannot be dequantized.
     """
@@ -264,6 +267,8 @@ def iter_gguf_weights(
     by_name: dict[str, np.ndarray] = {}
     by_name["norm.weight"] = tensors.vector("output_norm.weight", c.hidden_size)
     loaded: set[str] = set()
+    param_names = list(param_names)
+    shapes = dict(param_names)
     for name, shape in param_names:
         module = name.rsplit(".", 1)[0]
         if name not in by_name and module in sources and module not in loaded:
@@ -272,7 +277,11 @@ def iter_gguf_weights(
                 if layer % 10 == 0:
                     progress(f"loading weights: layer {layer + 1}/{c.num_layers}")
             module_parts, fmt = sources[module]
-            by_name.update(_linear_arrays(tensors, c, module, module_parts, fmt, gpu))
+            base = module.split(".part")[0]
+            streamed = None if allocate is None else streamed_module(
+                tensors, module, module_parts, fmt, _in_features(c, base), shapes, gpu or base == "embed_tokens",
+                allocate, release, undo_rope_permutation)
+            by_name.update(streamed if streamed is not None else _linear_arrays(tensors, c, module, module_parts, fmt, gpu))
             loaded.add(module)
         elif name not in by_name and name.startswith("layers."):
             array = _layer_vector(tensors, c, name, permuted_qk)
@@ -384,14 +393,6 @@ def release_loading_memory() -> None:
     """
     gc.collect()
     trim_allocator()
-
-
-def upload(array: np.ndarray, device):
-    """`array` (possibly a strided view) as a TVM tensor on `device`, copied
-    once: on the CPU straight into the tensor's own memory. Making it
-    contiguous first and copying that in held a paneled weight up to three
-    times over (the default model's load peak: 296 -> 268 MiB)."""
-    return runtime.from_numpy(array, device)
 
 
 def open_tensors(model_file: ModelFile):

@@ -10,6 +10,7 @@ of lockgate's) on random blocks, which exercise every code and bit pattern.
 from __future__ import annotations
 
 import pathlib
+import re
 
 import gguf
 import numpy as np
@@ -166,7 +167,13 @@ def test_q4_k_m_runs_packed_and_exact(q4_k_m_file, tmp_path):
 
 
 
-def test_q4_k_m_runs_on_8_bit_activations(q4_k_m_file, tmp_path):
+@pytest.fixture(scope="module")
+def q4_k_m_cache(tmp_path_factory) -> pathlib.Path:
+    """One compile cache for the tests that load the Q4_K_M file as served."""
+    return tmp_path_factory.mktemp("q4km-cache")
+
+
+def test_q4_k_m_runs_on_8_bit_activations(q4_k_m_file, q4_k_m_cache):
     """By default the same model multiplies its packed weights by 8-bit
     activations: its logits follow a reference that rounds them alike, more
     closely than they follow the exact ones."""
@@ -176,7 +183,7 @@ def test_q4_k_m_runs_on_8_bit_activations(q4_k_m_file, tmp_path):
     path = q4_k_m_file
     config = ModelConfig.from_gguf(GGUFMetadata(path))
     options = ExecutorOptions.of(
-        max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=tmp_path / "cache"
+        max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=q4_k_m_cache
     )
     ex = create_executor(ModelFile(path, config), options)
     try:
@@ -194,6 +201,44 @@ def test_q4_k_m_runs_on_8_bit_activations(q4_k_m_file, tmp_path):
         assert np.abs(got - rounded).mean() < np.abs(got - exact).mean()
     finally:
         ex.close()
+
+
+def test_packed_weights_stream_into_their_tensors_as_read_whole(q4_k_m_file, q4_k_m_cache, monkeypatch):
+    """Loading writes each packed module chunk by chunk into its final
+    layout (`weight_streaming`): with chunks of 64 rows (a head), so that every
+    tensor takes several and the un-permuted Q/K rows, the split Q/K/V, the
+    panels and the embedding table's rows all cross chunk bounds, the
+    parameters are bit for bit those of repacking each tensor whole (the
+    head, of 299 rows in one panel of 299, is read whole)."""
+    from lockgate.models.gguf_metadata import GGUFMetadata
+    from lockgate.plugins.tvm import weight_streaming
+    from lockgate.plugins.tvm.executor import create_executor
+    from lockgate.plugins.tvm.gguf_tensors import GGUFTensors
+    from lockgate.plugins.tvm.weights import iter_gguf_weights
+
+    path = q4_k_m_file
+    metadata = GGUFMetadata(path)
+    config = ModelConfig.from_gguf(metadata)
+    options = ExecutorOptions.of(max_num_seqs=2, max_total_tokens=256, prefill_chunk_size=64, cache_dir=q4_k_m_cache)
+    ex = create_executor(ModelFile(path, config), options)
+    params, formats = ex.compiled.params, ex.compiled.formats
+    ex.close()
+    whole = list(iter_gguf_weights(GGUFTensors(metadata), config, params, formats=formats))
+    monkeypatch.setattr(weight_streaming, "CHUNK_ROWS", 64)
+    tensors = GGUFTensors(metadata)
+    chunks = []
+    read_rows = tensors.quantized_rows
+    monkeypatch.setattr(tensors, "quantized_rows", lambda *a: chunks.append(a) or read_rows(*a), raising=False)
+    streamed = list(iter_gguf_weights(tensors, config, params, formats=formats,
+                                      allocate=lambda shape, dtype: np.full(shape, 7, dtype=dtype)))
+    streamed_tensors = {re.sub(r"^blk\.\d+\.", "", chunk[0]) for chunk in chunks}
+    assert {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+            "ffn_up.weight", "ffn_down.weight", "token_embd.weight"} <= streamed_tensors, streamed_tensors
+    assert len(chunks) >= 2 * 7 * config.num_layers  # each of a layer's 7 tensors in two chunks or more
+    assert [a.shape for a in streamed] == [a.shape for a in whole]
+    for (name, _), got, want in zip(params, streamed, whole):
+        assert got.dtype == want.dtype, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 async def test_health_reports_the_weight_formats(tiny_model, make_client):
