@@ -249,7 +249,6 @@ def open_model(
     a Hugging Face model directory) and read what serving it needs short of
     an executor: the config and its family, the tokenizer (`chat_template`
     text overrides the model's template) and the tool-call format."""
-    from lockgate.plugin_api.grammars import prepare_tokenizer
     from lockgate.models import hf
     from lockgate.models.gguf_metadata import GGUFMetadata
     from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
@@ -294,9 +293,12 @@ def open_model(
                                            chat_template_for(tokenizer, tools=False))
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
-    # the grammar engine's copy of the vocabulary, built once so the first
-    # structured-output request does not pay for it
-    prepare_tokenizer(tokenizer, eos_token_ids=eos_ids)
+    # The grammar engine's copy of the vocabulary is built by the first
+    # request that constrains its output (`grammars._llg_tokenizer`), not
+    # here: it holds 60-110 MiB for a 150k-token vocabulary (its slices for
+    # fast JSON masks most of it), memory a server that never constrains
+    # output need not hold; the first such request pays its build once
+    # (0.6 s for Qwen2.5's vocabulary on two cores).
     # reading the tokenizer freed far more than it keeps (16 MiB resident
     # on the default model until the C allocator is asked to give it back)
     trim_allocator()

@@ -24,7 +24,7 @@ from lockgate.plugin_api.readers import (
     REGEX,
     OutputFormat,
     Reader,
-    _object,
+    json_object,
     json_type,
 )
 
@@ -102,7 +102,7 @@ _STRUCTURED_REFUSED = ("whitespace_pattern", "structural_tag")
 def read_structured_outputs(value: Any, where: str) -> OutputFormat | None:
     """vLLM's `structured_outputs`: exactly one of `json`, `regex`,
     `choice`, `grammar` or `json_object: true`."""
-    spec = _object(value, where)
+    spec = json_object(value, where)
     found: list[OutputFormat] = []
     for key, member in spec.items():
         at = f"{where}.{key}"

@@ -37,7 +37,7 @@ from typing import Any
 import structlog
 
 from lockgate.errors import UnknownParameter, UnsupportedParameter
-from lockgate.plugin_api.readers import Reader, _object, boolean, json_type, string
+from lockgate.plugin_api.readers import Reader, boolean, json_object, string
 
 log = structlog.get_logger("lockgate.pipeline")
 
@@ -99,10 +99,6 @@ def _one_of(*values: str) -> Reader:
         return value
 
     return read
-
-
-def _any_object(value: Any, where: str) -> Any:
-    return _object(value, where)
 
 
 def implemented(name: str, note: str, example: Any = True) -> Field:
@@ -171,7 +167,7 @@ _OPENAI_GENERATION = (
     alias("ebnf", "`structured_outputs.grammar` (SGLang)", 'root ::= "yes" | "no"'),
     accepted("guided_decoding_backend", "the grammar compiler is always llguidance; what a backend is named "
              "does not change what the output must follow", string, "xgrammar"),
-    accepted("metadata", "kept by OpenAI with stored completions; this server stores none", _any_object, {"a": "b"}),
+    accepted("metadata", "kept by OpenAI with stored completions; this server stores none", json_object, {"a": "b"}),
     accepted("store", "OpenAI's storage for distillation and evals; this server stores no completions",
              boolean, True),
     accepted("service_tier", "one tier serves every request here", string, "auto"),
@@ -294,7 +290,7 @@ RESPONSES_FIELDS = (
     accepted("prompt_cache_key", "the prefix cache matches prompts by their tokens, with no key", string, "k"),
     accepted("prompt_cache_retention", "cached prefixes are kept until their pages are needed", string, "24h"),
     accepted("safety_identifier", "an end user's id for OpenAI's abuse monitoring; none runs here", string, "u1"),
-    accepted("stream_options", "`include_obfuscation`: events are never padded here", _any_object,
+    accepted("stream_options", "`include_obfuscation`: events are never padded here", json_object,
              {"include_obfuscation": False}),
     refused("truncation", "a conversation over the context is a 400, never cut", ("disabled",), "auto"),
     refused("background", "responses run in the foreground only", (False,)),

@@ -1,12 +1,13 @@
 """Anthropic's Messages API request, typed: one more protocol mapping onto
 the chat request the hooks already know.
 
-A `POST /v1/messages` body becomes a `MessagesRequest`, a `ChatRequest`
-whose `messages` were built from `system` and Anthropic's content blocks
-(`text`; `tool_use` in assistant turns as tool calls; `tool_result` in user
-turns as tool messages), whose `tools` came from `input_schema` tools and
-whose `stop` from `stop_sequences`. A plugin sees it exactly as a chat
-request (`request.endpoint` says "messages"). What this server cannot serve
+A `POST /v1/messages` body is read into a `MessagesRequest`, which holds
+the Messages fields alone, and becomes (`to_chat`) the `ChatRequest` the
+hooks see: its `messages` built from `system` and Anthropic's content
+blocks (`text`; `tool_use` in assistant turns as tool calls; `tool_result`
+in user turns as tool messages), its `tools` from `input_schema` tools, its
+`stop` from `stop_sequences`. A plugin sees it exactly as a chat request
+(`request.endpoint` says "messages"; the Messages request is its `origin`). What this server cannot serve
 (images, documents, server tools, `cache_control` other than the prefix
 cache's ephemeral one, thinking on a model that writes none) is refused with
 a 400 naming the field, never dropped. An assistant turn's `thinking` blocks
@@ -27,7 +28,7 @@ from lockgate.plugin_api.readers import (
     MAX_STOP_SEQUENCES,
     Message,
     OutputFormat,
-    _object,
+    json_object,
     integer,
     json_type,
     number,
@@ -35,9 +36,10 @@ from lockgate.plugin_api.readers import (
     string,
 )
 from lockgate.plugin_api.fields import MESSAGES, STRICT, FieldPolicy, check_fields
-from lockgate.plugin_api.request import ChatRequest, param, read_fields
+from lockgate.plugin_api.body import param, read_fields, same_as
+from lockgate.plugin_api.request import ChatRequest
 from lockgate.plugin_api.tool_calls import Tool, ToolCall, ToolChoice
-from lockgate.plugin_api.tool_readers import _function, tool_objects
+from lockgate.plugin_api.tool_readers import read_function, tool_objects
 
 MESSAGES_ENDPOINT = "messages"
 
@@ -66,11 +68,11 @@ def _block(value: Any, where: str) -> Mapping[str, Any]:
     """A content block, its `cache_control` checked: the prefix cache keeps
     every prompt's KV without being asked, which is what an `ephemeral`
     breakpoint asks for; other kinds or lifetimes are refused."""
-    block = _object(value, where)
+    block = json_object(value, where)
     control = block.get("cache_control")
     if control is not None:
         at = f"{where}.cache_control" if where else "cache_control"
-        control = _object(control, at)
+        control = json_object(control, at)
         if control.get("type") != "ephemeral" or control.get("ttl", "5m") != "5m":
             raise UnsupportedParameter(
                 f"{at}: only {{\"type\": \"ephemeral\"}} is served (by the prefix cache)", param=at)
@@ -93,7 +95,7 @@ def read_anthropic_messages(value: Any, where: str) -> tuple[Message, ...]:
     messages: list[Message] = []
     for i, item in enumerate(value):
         at = f"{where}[{i}]"
-        item = _object(item, at)
+        item = json_object(item, at)
         role = item.get("role")
         if role not in ("user", "assistant"):
             raise InvalidRequestError(f"{at}.role must be user or assistant, got {role!r}", param=f"{at}.role")
@@ -137,7 +139,7 @@ def _tool_use(block: Mapping[str, Any], where: str) -> ToolCall:
     for key in ("id", "name"):
         if not isinstance(block.get(key), str) or not block[key]:
             raise InvalidRequestError(f"{where}.{key} must be a non-empty string", param=f"{where}.{key}")
-    arguments = _object(block.get("input", {}), f"{where}.input")
+    arguments = json_object(block.get("input", {}), f"{where}.input")
     return ToolCall(block["name"], json.dumps(arguments, ensure_ascii=False), id=block["id"])
 
 
@@ -158,7 +160,7 @@ def read_anthropic_tools(value: Any, where: str) -> tuple[Tool, ...]:
         as_function = {"name": tool.get("name"), "description": tool.get("description"),
                        "parameters": tool["input_schema"]}
         try:
-            tools.append(_function(as_function, at, names))
+            tools.append(read_function(as_function, at, names))
         except InvalidRequestError as exc:
             exc.param = (exc.param or "").replace(".parameters", ".input_schema") or None
             exc.message = exc.message.replace(".parameters", ".input_schema")
@@ -170,7 +172,7 @@ def read_anthropic_tool_choice(value: Any, where: str) -> ToolChoice:
     """`tool_choice`: `{"type": "auto" | "any" | "tool" | "none"}` ("tool"
     with a `name`), as the chat request's "auto", "required", a named
     function and "none"."""
-    choice = _object(value, where)
+    choice = json_object(value, where)
     kind = choice.get("type")
     if kind == "tool":
         return ToolChoice.function(string(choice.get("name"), f"{where}.name"))
@@ -185,14 +187,14 @@ def read_output_config(value: Any, where: str) -> OutputFormat | None:
     """`output_config`: its `format` (`{"type": "json_schema", "schema"}`),
     the chat request's `response_format`; other settings (`effort`, which
     tunes extended thinking) are refused."""
-    config = _object(value, where)
+    config = json_object(value, where)
     for key in config:
         if key != "format" and config[key] is not None:
             raise UnsupportedParameter(f"{where}.{key} is not supported by this server", param=f"{where}.{key}")
     fmt = config.get("format")
     if fmt is None:
         return None
-    fmt = _object(fmt, f"{where}.format")
+    fmt = json_object(fmt, f"{where}.format")
     if fmt.get("type") != "json_schema":
         raise InvalidRequestError(f"{where}.format.type must be json_schema", param=f"{where}.format.type")
     spec = {"name": "output", "schema": fmt.get("schema")}
@@ -213,7 +215,7 @@ def read_thinking(value: Any, where: str) -> bool | None:
     The budget is checked as Anthropic checks it (at least 1024 and below
     `max_tokens`, see `parse_messages_request`); the thinking is bounded by
     `max_tokens` as a whole, not by the budget."""
-    thinking = _object(value, where)
+    thinking = json_object(value, where)
     kind = thinking.get("type")
     if kind == "disabled":
         return False
@@ -232,65 +234,87 @@ def read_stop_sequences(value: Any, where: str) -> tuple[str, ...]:
 
 def read_anthropic_metadata(value: Any, where: str) -> str | None:
     """`metadata`: its `user_id`, the chat request's `user`."""
-    metadata = _object(value, where)
+    metadata = json_object(value, where)
     user_id = metadata.get("user_id")
     return None if user_id is None else string(user_id, f"{where}.user_id")
 
 
+#: fields a Messages body shares with chat, read as chat reads them
+_SHARED = ("model", "stream", "top_p", "top_k", "seed", "logit_bias", "min_p", "repetition_penalty", "ignore_eos",
+           "min_tokens", "skip_special_tokens", "stop_token_ids", "parallel_tool_calls")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MessagesRequest(ChatRequest):
-    """A `POST /v1/messages` (or `/v1/messages/count_tokens`) body, as a chat request."""
+class MessagesRequest:
+    """A `POST /v1/messages` (or `/v1/messages/count_tokens`) body, its own
+    fields only; `to_chat` gives the chat request the hooks see
+    (`ChatRequest.origin` is this)."""
 
     endpoint: ClassVar[str] = MESSAGES_ENDPOINT
 
-    # chat fields under their Messages names and shapes
+    id: str
+    body: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     messages: tuple[Message, ...] = param((), read_anthropic_messages, required=True)
+    system: str | None = param(None, read_system)
     max_tokens: int | None = param(None, integer(1))
     temperature: float = param(1.0, number(0, 1))
-    stop: tuple[str, ...] = param((), read_stop_sequences, key="stop_sequences")
+    stop_sequences: tuple[str, ...] = param((), read_stop_sequences)
     tools: tuple[Tool, ...] = param((), read_anthropic_tools)
     tool_choice: ToolChoice | None = param(None, read_anthropic_tool_choice)
-    user: str | None = param(None, read_anthropic_metadata, key="metadata")
-    # chat fields a Messages body does not have (no reader: never read)
-    n: int = param(1)
-    max_completion_tokens: int | None = param(None)
-    logprobs: bool = param(False)
-    top_logprobs: int | None = param(None)
-    include_usage: bool = param(False)
-    presence_penalty: float = param(0.0)
-    frequency_penalty: float = param(0.0)
-    response_format: OutputFormat | None = param(None, read_output_config, key="output_config")
-    functions: tuple[Tool, ...] = param(())
-    function_call: ToolChoice | None = param(None)
-    prompt_logprobs: int | None = param(None)
-    chat_template_kwargs: Mapping[str, Any] = param({})
-    return_token_ids: bool = param(False)
-    prediction: str | None = param(None)
-    reasoning_effort: str | None = param(None)
-    # the Messages API's own
-    system: str | None = param(None, read_system)
     #: `thinking` switched on (True) or off (False); None: the template's default
     thinking: bool | None = param(None, read_thinking)
+    #: `output_config.format` as chat's `response_format`
+    output_config: OutputFormat | None = param(None, read_output_config)
+    #: `metadata.user_id`
+    metadata: str | None = param(None, read_anthropic_metadata)
+    model: str = same_as(ChatRequest, "model")
+    stream: bool = same_as(ChatRequest, "stream")
+    top_p: float = same_as(ChatRequest, "top_p")
+    top_k: int = same_as(ChatRequest, "top_k")
+    seed: int | None = same_as(ChatRequest, "seed")
+    logit_bias: Mapping[int, float] = same_as(ChatRequest, "logit_bias")
+    min_p: float = same_as(ChatRequest, "min_p")
+    repetition_penalty: float = same_as(ChatRequest, "repetition_penalty")
+    ignore_eos: bool = same_as(ChatRequest, "ignore_eos")
+    min_tokens: int = same_as(ChatRequest, "min_tokens")
+    skip_special_tokens: bool = same_as(ChatRequest, "skip_special_tokens")
+    stop_token_ids: tuple[int, ...] = same_as(ChatRequest, "stop_token_ids")
+    parallel_tool_calls: bool = same_as(ChatRequest, "parallel_tool_calls")
 
-    def _tool_result_param(self, index: int) -> str:
+    def to_chat(self) -> ChatRequest:
+        """The chat request this one is: the system prompt as the first
+        message, `thinking` as the template's `enable_thinking`, Anthropic's
+        `disable_parallel_tool_use` as `parallel_tool_calls` false."""
+        values = {name: getattr(self, name) for name in _SHARED}
+        if self.thinking is not None:
+            values["chat_template_kwargs"] = {"enable_thinking": self.thinking}
+        choice = self.body.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True:
+            values["parallel_tool_calls"] = False
+        system = (Message("system", self.system),) if self.system else ()
+        return ChatRequest.checked(
+            id=self.id, body=self.body, origin=self, messages=(*system, *self.messages), max_tokens=self.max_tokens,
+            temperature=self.temperature, stop=self.stop_sequences, tools=self.tools, tool_choice=self.tool_choice,
+            response_format=self.output_config, user=self.metadata, **values)
+
+    def param_for(self, subject: str) -> str | None:
+        if subject == "schema":
+            return "output_config.format" if self.output_config is not None else "tools"
+        return {"prompt": "messages", "max_tokens": "max_tokens"}.get(subject)
+
+    def tool_result_param(self, index: int) -> str:
         return "messages"  # turns were split into messages: name the field
 
     def tool_parameters_param(self, index: int) -> str:
         return f"tools[{index}].input_schema"
 
-    def param_for(self, subject: str) -> str:
-        if subject == "max_tokens":
-            return "max_tokens"
-        if subject == "schema":
-            return "output_config.format" if self.response_format is not None else "tools"
-        return super().param_for(subject)
-
 
 def parse_messages_request(body: Mapping[str, Any], *, request_id: str, count_only: bool = False,
-                           thinks: bool = False, fields: FieldPolicy = STRICT) -> MessagesRequest:
+                           thinks: bool = False, fields: FieldPolicy = STRICT) -> ChatRequest:
     """Read a Messages body (`count_only`: a count_tokens body, which has
     no `max_tokens`) for a model that thinks (`thinks`: it has a reasoning
-    format) or not.
+    format) or not, as the chat request the hooks see (its `origin` the
+    `MessagesRequest`).
 
     :raises InvalidRequestError: (400) naming the Messages field at fault
         (one the field table refuses or does not know included).
@@ -311,14 +335,4 @@ def parse_messages_request(body: Mapping[str, Any], *, request_id: str, count_on
         if not count_only and budget >= values["max_tokens"]:
             raise InvalidRequestError(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
                                       f"({values['max_tokens']})", param="thinking.budget_tokens")
-    if values.get("thinking") is not None:
-        values["chat_template_kwargs"] = {"enable_thinking": values["thinking"]}
-    system = values.get("system")
-    if system:
-        values["messages"] = (Message("system", system), *values["messages"])
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True:
-        values["parallel_tool_calls"] = False
-    request = MessagesRequest(id=request_id, body=body, **values)
-    request._check_combinations()
-    return request
+    return MessagesRequest(id=request_id, body=body, **values).to_chat()

@@ -71,7 +71,7 @@ def string(value: Any, where: str) -> str:
     return value
 
 
-def _object(value: Any, where: str) -> Mapping[str, Any]:
+def json_object(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise InvalidRequestError(f"{where} must be an object, not {json_type(value)}", param=where)
     return value
@@ -116,7 +116,7 @@ def read_stop_token_ids(value: Any, where: str) -> tuple[int, ...]:
 
 
 def read_logit_bias(value: Any, where: str) -> dict[int, float]:
-    bias = _object(value, where)
+    bias = json_object(value, where)
     read: dict[int, float] = {}
     for key, amount in bias.items():
         try:
@@ -136,14 +136,14 @@ def read_logit_bias(value: Any, where: str) -> dict[int, float]:
 def read_prediction(value: Any, where: str) -> str:
     """`prediction`: `{"type": "content", "content": text or text parts}`,
     the text the answer is expected to largely be (OpenAI's Predicted Outputs)."""
-    prediction = _object(value, where)
+    prediction = json_object(value, where)
     if prediction.get("type") != "content":
         raise InvalidRequestError(f"{where}.type must be 'content'", param=f"{where}.type")
     for key in prediction:
         if key not in ("type", "content"):
             raise InvalidRequestError(f"{where}.{key} is not a prediction field (type, content)",
                                       param=f"{where}.{key}")
-    return _content(prediction.get("content"), f"{where}.content")
+    return content_text(prediction.get("content"), f"{where}.content")
 
 
 #: OpenAI's reasoning efforts (and DeepSeek's `max`)
@@ -160,7 +160,7 @@ def read_reasoning_effort(value: Any, where: str) -> str:
 
 def read_include_usage(value: Any, where: str) -> bool:
     """`stream_options`: only `include_usage` is read."""
-    options = _object(value, where)
+    options = json_object(value, where)
     found = options.get("include_usage")
     return False if found is None else boolean(found, f"{where}.include_usage")
 
@@ -195,7 +195,7 @@ def read_response_format(value: Any, where: str) -> OutputFormat | None:
     {"name", "description", "schema", "strict"}}` where only `schema` is
     required. The schema itself is compiled, and checked, with the grammar.
     """
-    fmt = _object(value, where)
+    fmt = json_object(value, where)
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -315,7 +315,7 @@ def _message(value: Any, where: str) -> Message:
     for key in ("reasoning_content", "reasoning"):  # vLLM's name, and the newer one
         if value.get(key) is not None and role == "assistant":
             reasoning = string(value[key], f"{where}.{key}")
-    return Message(role, _content(content, f"{where}.content"), name, tool_call_id, calls, reasoning)
+    return Message(role, content_text(content, f"{where}.content"), name, tool_call_id, calls, reasoning)
 
 
 def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
@@ -324,7 +324,7 @@ def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
     calls = []
     for i, item in enumerate(value):
         at = f"{where}[{i}]"
-        call = _object(item, at)
+        call = json_object(item, at)
         if call.get("type", "function") != "function":
             raise InvalidRequestError(f"{at}.type must be 'function'", param=f"{at}.type")
         call_id = call.get("id")
@@ -335,7 +335,7 @@ def _tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
 
 
 def _call(value: Any, where: str, *, call_id: str | None) -> ToolCall:
-    function = _object(value, where)
+    function = json_object(value, where)
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise InvalidRequestError(f"{where}.name must be a non-empty string", param=f"{where}.name")
@@ -362,7 +362,7 @@ def read_arguments(value: Any, where: str) -> str:
     return value
 
 
-def _content(value: Any, where: str, part_types: tuple[str, ...] = ("text",)) -> str:
+def content_text(value: Any, where: str, part_types: tuple[str, ...] = ("text",)) -> str:
     """A message's content as text: a string, or its text parts (of one of
     `part_types`) joined."""
     if isinstance(value, str):
@@ -429,7 +429,7 @@ def read_chat_template_kwargs(value: Any, where: str) -> dict[str, Any]:
     (Qwen3's `enable_thinking`), JSON values, at most
     `MAX_TEMPLATE_KWARGS` of them in `MAX_TEMPLATE_KWARGS_BYTES` of JSON;
     a name the renderer sets itself is refused by name."""
-    kwargs = _object(value, where)
+    kwargs = json_object(value, where)
     if len(kwargs) > MAX_TEMPLATE_KWARGS or len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
         raise InvalidRequestError(
             f"{where} holds at most {MAX_TEMPLATE_KWARGS} variables in {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON",

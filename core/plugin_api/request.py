@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 from lockgate.engine.params import SamplingParams
 from lockgate.errors import InvalidRequestError, UnsupportedParameter
+from lockgate.plugin_api.body import RequestOrigin, param, read_fields
 from lockgate.plugin_api.constraints import read_constraint
 from lockgate.plugin_api.fields import STRICT, FieldPolicy, check_fields
 from lockgate.plugin_api.readers import (
@@ -40,7 +41,6 @@ from lockgate.plugin_api.readers import (
     Message,
     OutputFormat,
     Prompt,
-    Reader,
     boolean,
     integer,
     number,
@@ -61,16 +61,6 @@ from lockgate.plugin_api.tool_readers import read_functions, read_tool_choice, r
 
 CHAT_ENDPOINT = "chat.completions"
 COMPLETIONS_ENDPOINT = "completions"
-
-
-def param(default: Any = None, reader: Reader | None = None, *, key: str | None = None, required: bool = False):
-    """Declare one body field: read with `reader` from `body[key]` (the
-    attribute's name by default) when present and not null, else `default`
-    (a `dict` default is copied for each request)."""
-    metadata = {"reader": reader, "key": key, "required": required}
-    if isinstance(default, dict):
-        return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +114,14 @@ class GenerationRequest:
     #: answer is expected to largely be, which speculative decoding drafts
     #: from (None: none)
     prediction: str | None = param(None, read_prediction)
+
+    @classmethod
+    def checked(cls, **values: Any):
+        """The request of these field values, the combinations of its
+        fields checked (an `InvalidRequestError` naming the field)."""
+        request = cls(**values)
+        request._check_combinations()
+        return request
 
     @property
     def is_chat(self) -> bool:
@@ -219,7 +217,6 @@ class GenerationRequest:
 class ChatRequest(GenerationRequest):
     """A `POST /v1/chat/completions` body."""
 
-    endpoint: ClassVar[str] = CHAT_ENDPOINT
     prompt_field: ClassVar[str] = "messages"
 
     messages: tuple[Message, ...] = param((), read_messages, required=True)
@@ -237,6 +234,19 @@ class ChatRequest(GenerationRequest):
     # the deprecated forms of `tools` and `tool_choice`
     functions: tuple[Tool, ...] = param((), read_functions)
     function_call: ToolChoice | None = param(None, read_tool_choice)
+    #: the request as its own API typed it where that is not chat completions
+    #: (a `ResponsesRequest`, a `MessagesRequest`: `body.RequestOrigin`),
+    #: which says the endpoint and names the fields errors point at
+    origin: RequestOrigin | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        """`CHAT_ENDPOINT`, or the API's the request came in by ("responses", "messages")."""
+        return CHAT_ENDPOINT if self.origin is None else self.origin.endpoint
+
+    def param_for(self, subject: str) -> str:
+        named = None if self.origin is None else self.origin.param_for(subject)
+        return super().param_for(subject) if named is None else named
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -313,10 +323,14 @@ class ChatRequest(GenerationRequest):
 
     def _tool_result_param(self, index: int) -> str:
         """The field that names the call the tool result at message `index` answers."""
+        if self.origin is not None:
+            return self.origin.tool_result_param(index)
         return f"messages[{index}].tool_call_id"
 
     def tool_parameters_param(self, index: int) -> str:
         """The field that holds the `index`-th offered tool's parameters schema."""
+        if self.origin is not None:
+            return self.origin.tool_parameters_param(index)
         if self.tools:
             return f"tools[{index}].function.parameters"
         return f"functions[{index}].parameters"
@@ -376,24 +390,6 @@ REQUEST_TYPES: dict[str, type[GenerationRequest]] = {
 }
 
 
-def read_fields(cls: type[GenerationRequest], body: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields `cls` declares with a reader, read from `body`: those
-    present and not null; a required one missing is an error."""
-    values: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
-        reader = field.metadata.get("reader")
-        if reader is None:
-            continue
-        key = field.metadata["key"] or field.name
-        value = body.get(key)
-        if value is None:
-            if field.metadata["required"]:
-                raise InvalidRequestError(f"{key} is required", param=key)
-            continue
-        values[field.name] = reader(value, key)
-    return values
-
-
 def with_thinking(values: dict[str, Any], effort: str | None, *, thinks: bool, where: str) -> None:
     """Turn a reasoning effort (`effort`, read from `where`) into the
     thinking switch of the chat template, in `values` (the fields read):
@@ -444,6 +440,4 @@ def parse_request(
     values = read_fields(cls, body)
     values["response_format"] = read_constraint(body, values.get("response_format"), "response_format")
     with_thinking(values, values.get("reasoning_effort"), thinks=thinks, where="reasoning_effort")
-    request = cls(id=request_id, body=body, **values)
-    request._check_combinations()
-    return request
+    return cls.checked(id=request_id, body=body, **values)

@@ -1,14 +1,16 @@
 """The Responses API's request, typed: one more protocol mapping onto the
 chat request the hooks already know.
 
-A `POST /v1/responses` body becomes a `ResponsesRequest`, a `ChatRequest`
-whose `messages` were built from `instructions`, the stored conversation of
-`previous_response_id` and `input`, whose `tools` came from the Responses
-tool shape, and whose `response_format` from `text.format`. A plugin sees
-it exactly as a chat request (`request.endpoint` says "responses"); the
-Responses-only fields (`store`, `previous_response_id`, `metadata`,
-`instructions`) are on it too. Every parse error names the Responses field
-(`input[2].content[0].text`, `tools[0].type`).
+A `POST /v1/responses` body is read into a `ResponsesRequest`, which holds
+the Responses fields alone, and becomes (`to_chat`) the `ChatRequest` the
+hooks see: its `messages` built from `instructions`, the stored
+conversation of `previous_response_id` and `input`, its `tools` from the
+Responses tool shape, its `response_format` from `text.format`. A plugin
+sees it exactly as a chat request (`request.endpoint` says "responses");
+the Responses request itself, with `store`, `previous_response_id`,
+`metadata` and `instructions`, is its `origin`. Every error names the
+Responses field (`input[2].content[0].text`, `tools[0].type`,
+`max_output_tokens`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from lockgate.errors import InvalidRequestError, UnsupportedParameter
 from lockgate.plugin_api.readers import (
     Message,
     OutputFormat,
-    _content,
-    _object,
+    content_text,
+    json_object,
     boolean,
     integer,
     json_type,
@@ -33,7 +35,8 @@ from lockgate.plugin_api.readers import (
     string,
 )
 from lockgate.plugin_api.fields import RESPONSES, STRICT, FieldPolicy, check_fields
-from lockgate.plugin_api.request import ChatRequest, param, read_fields, with_thinking
+from lockgate.plugin_api.body import param, read_fields, same_as
+from lockgate.plugin_api.request import ChatRequest, with_thinking
 from lockgate.plugin_api.tool_calls import Tool, ToolCall, ToolChoice
 from lockgate.plugin_api.tool_readers import read_tools
 
@@ -52,7 +55,7 @@ def read_input(value: Any, where: str) -> tuple[Message, ...]:
     messages: list[Message] = []
     for i, item in enumerate(value):
         at = f"{where}[{i}]"
-        item = _object(item, at)
+        item = json_object(item, at)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             message = _message(item, at)
@@ -100,8 +103,8 @@ def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
             param=f"{where}.encrypted_content",
         )
     if item.get("content"):
-        return _content(item["content"], f"{where}.content", part_types=("reasoning_text",))
-    return _content(item.get("summary") or [], f"{where}.summary", part_types=("summary_text",))
+        return content_text(item["content"], f"{where}.content", part_types=("reasoning_text",))
+    return content_text(item.get("summary") or [], f"{where}.summary", part_types=("summary_text",))
 
 
 def _message(item: Mapping[str, Any], where: str) -> Message:
@@ -115,7 +118,7 @@ def _message(item: Mapping[str, Any], where: str) -> Message:
 
 
 def _text_parts(value: Any, where: str) -> str:
-    return _content(value, where, part_types=("input_text", "output_text", "text"))
+    return content_text(value, where, part_types=("input_text", "output_text", "text"))
 
 
 def _function_call(item: Mapping[str, Any], where: str) -> ToolCall:
@@ -134,7 +137,7 @@ def read_responses_tools(value: Any, where: str):
         raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
     as_chat = []
     for i, tool in enumerate(value):
-        tool = _object(tool, f"{where}[{i}]")
+        tool = json_object(tool, f"{where}[{i}]")
         if tool.get("type") != "function":
             raise UnsupportedParameter(
                 f"{where}[{i}].type {json.dumps(tool.get('type'))[:40]} is not supported: this server runs "
@@ -156,7 +159,7 @@ def read_responses_tool_choice(value: Any, where: str) -> ToolChoice:
         if value not in ToolChoice.MODES:
             raise InvalidRequestError(f"{where} must be none, auto, required or name a function", param=where)
         return ToolChoice(value)
-    choice = _object(value, where)
+    choice = json_object(value, where)
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
         raise UnsupportedParameter(
             f"{where} must be {{\"type\": \"function\", \"name\": ...}} on this server", param=where
@@ -167,7 +170,7 @@ def read_responses_tool_choice(value: Any, where: str) -> ToolChoice:
 def read_reasoning(value: Any, where: str) -> str | None:
     """`reasoning`: its `effort` (None when not given); a `summary` cannot
     be written here (the thinking is returned whole, in reasoning items)."""
-    reasoning = _object(value, where)
+    reasoning = json_object(value, where)
     for key, member in reasoning.items():
         if key == "effort" or member is None:
             continue
@@ -184,7 +187,7 @@ def read_reasoning(value: Any, where: str) -> str | None:
 def read_text(value: Any, where: str) -> OutputFormat | None:
     """`text`: `{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}`;
     `verbosity` other than `medium` cannot be honoured."""
-    text = _object(value, where)
+    text = json_object(value, where)
     verbosity = text.get("verbosity")
     if verbosity not in (None, "medium"):
         raise UnsupportedParameter(
@@ -198,7 +201,7 @@ def read_text(value: Any, where: str) -> OutputFormat | None:
     fmt = text.get("format")
     if fmt is None:
         return None
-    fmt = _object(fmt, f"{where}.format")
+    fmt = json_object(fmt, f"{where}.format")
     if fmt.get("type") == "json_schema":  # the chat shape nests the schema one level deeper
         spec = {k: v for k, v in fmt.items() if k != "type"}
         fmt = {"type": "json_schema", "json_schema": spec}
@@ -206,7 +209,7 @@ def read_text(value: Any, where: str) -> OutputFormat | None:
 
 
 def read_metadata(value: Any, where: str) -> dict[str, str]:
-    metadata = _object(value, where)
+    metadata = json_object(value, where)
     if len(metadata) > MAX_METADATA_KEYS or not all(
         isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()
     ):
@@ -217,69 +220,92 @@ def read_metadata(value: Any, where: str) -> dict[str, str]:
     return dict(metadata)
 
 
+#: fields a Responses body shares with chat, read as chat reads them
+_SHARED = ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "user", "seed", "presence_penalty",
+           "frequency_penalty", "stop", "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+           "min_tokens")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ResponsesRequest(ChatRequest):
-    """A `POST /v1/responses` body, as a chat request plus what only the
-    Responses API has."""
+class ResponsesRequest:
+    """A `POST /v1/responses` body, its own fields only; `to_chat` gives
+    the chat request the hooks see (`ChatRequest.origin` is this)."""
 
     endpoint: ClassVar[str] = RESPONSES_ENDPOINT
-    prompt_field: ClassVar[str] = "input"
 
-    # chat fields under their Responses names and shapes; `messages` is what
-    # `input` holds until `parse_responses_request` puts the instructions
-    # and the history before it
-    messages: tuple[Message, ...] = param((), read_input, key="input", required=True)
-    max_tokens: int | None = param(None, integer(1), key="max_output_tokens")
+    id: str
+    body: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    input: tuple[Message, ...] = param((), read_input, required=True)
+    instructions: str | None = param(None, string)
+    max_output_tokens: int | None = param(None, integer(1))
     tools: tuple[Tool, ...] = param((), read_responses_tools)
     tool_choice: ToolChoice | None = param(None, read_responses_tool_choice)
-    response_format: OutputFormat | None = param(None, read_text, key="text")
-    # chat fields a Responses body does not have (no reader: never read)
-    n: int = param(1)
-    max_completion_tokens: int | None = param(None)
-    logprobs: bool = param(False)
-    top_logprobs: int | None = param(None)
-    include_usage: bool = param(False)
-    skip_special_tokens: bool = param(True)
-    stop_token_ids: tuple[int, ...] = param(())
-    functions: tuple[Tool, ...] = param(())
-    function_call: ToolChoice | None = param(None)
-    prompt_logprobs: int | None = param(None)
-    chat_template_kwargs: Mapping[str, Any] = param({})
-    return_token_ids: bool = param(False)
-    prediction: str | None = param(None)
-    reasoning_effort: str | None = param(None, read_reasoning, key="reasoning")
-    # the Responses API's own
-    instructions: str | None = param(None, string)
+    #: `text.format` as chat's `response_format`
+    text: OutputFormat | None = param(None, read_text)
+    #: `reasoning.effort`
+    reasoning: str | None = param(None, read_reasoning)
     #: keep the response (and its conversation) for `previous_response_id`
     store: bool = param(True, boolean)
     previous_response_id: str | None = param(None, string)
     metadata: Mapping[str, str] = param({}, read_metadata)
+    model: str = same_as(ChatRequest, "model")
+    stream: bool = same_as(ChatRequest, "stream")
+    temperature: float = same_as(ChatRequest, "temperature")
+    top_p: float = same_as(ChatRequest, "top_p")
+    parallel_tool_calls: bool = same_as(ChatRequest, "parallel_tool_calls")
+    user: str | None = same_as(ChatRequest, "user")
+    seed: int | None = same_as(ChatRequest, "seed")
+    presence_penalty: float = same_as(ChatRequest, "presence_penalty")
+    frequency_penalty: float = same_as(ChatRequest, "frequency_penalty")
+    stop: tuple[str, ...] = same_as(ChatRequest, "stop")
+    logit_bias: Mapping[int, float] = same_as(ChatRequest, "logit_bias")
+    top_k: int = same_as(ChatRequest, "top_k")
+    min_p: float = same_as(ChatRequest, "min_p")
+    repetition_penalty: float = same_as(ChatRequest, "repetition_penalty")
+    ignore_eos: bool = same_as(ChatRequest, "ignore_eos")
+    min_tokens: int = same_as(ChatRequest, "min_tokens")
     #: the conversation before this request's `input` (from `previous_response_id`)
     history: tuple[Message, ...] = ()
-    #: the messages this request's `input` added
-    input_messages: tuple[Message, ...] = ()
 
-    def _tool_result_param(self, index: int) -> str:
+    @property
+    def messages(self) -> tuple[Message, ...]:
+        """The conversation the model sees: the instructions (this
+        request's only: a previous response's are not carried over), the
+        stored history, then the input."""
+        system = (Message("system", self.instructions),) if self.instructions else ()
+        return (*system, *self.history, *self.input)
+
+    def to_chat(self, *, thinks: bool = False) -> ChatRequest:
+        """The chat request this one is, for a model that thinks (`thinks`) or not.
+
+        :raises InvalidRequestError: (400) naming the Responses field, as
+            `reasoning.effort` for an effort the model cannot take.
+        """
+        values = {name: getattr(self, name) for name in _SHARED}
+        with_thinking(values, self.reasoning, thinks=thinks, where="reasoning.effort")
+        return ChatRequest.checked(
+            id=self.id, body=self.body, origin=self, messages=self.messages, max_tokens=self.max_output_tokens,
+            tools=self.tools, tool_choice=self.tool_choice, response_format=self.text,
+            reasoning_effort=self.reasoning, **values)
+
+    def param_for(self, subject: str) -> str | None:
+        return {"prompt": "input", "max_tokens": "max_output_tokens", "schema": "text.format"}.get(subject)
+
+    def tool_result_param(self, index: int) -> str:
         # messages are instructions, history, then input: name the input item
-        offset = len(self.messages) - len(self.input_messages)
+        offset = len(self.messages) - len(self.input)
         return f"input[{index - offset}].call_id" if index >= offset else "previous_response_id"
 
     def tool_parameters_param(self, index: int) -> str:
         return f"tools[{index}].parameters"
 
-    def param_for(self, subject: str) -> str:
-        if subject == "max_tokens":
-            return "max_output_tokens"
-        if subject == "schema":
-            return "text.format"
-        return super().param_for(subject)
-
 
 def parse_responses_request(
     body: Mapping[str, Any], *, request_id: str, history: Sequence[Message] = (), fields: FieldPolicy = STRICT,
     thinks: bool = False,
-) -> ResponsesRequest:
-    """Read a Responses body for a model that thinks (`thinks`) or not;
+) -> ChatRequest:
+    """Read a Responses body for a model that thinks (`thinks`) or not,
+    as the chat request the hooks see (its `origin` the `ResponsesRequest`);
     `history` is the stored conversation of its `previous_response_id` (the
     caller looks it up).
 
@@ -288,12 +314,4 @@ def parse_responses_request(
     """
     check_fields(RESPONSES, body, fields)
     values = read_fields(ResponsesRequest, body)
-    with_thinking(values, values.get("reasoning_effort"), thinks=thinks, where="reasoning.effort")
-    input_messages = values.pop("messages")
-    instructions = values.get("instructions")
-    # instructions are this request's only: a previous response's are not carried over
-    system = (Message("system", instructions),) if instructions else ()
-    values.update(messages=(*system, *history, *input_messages), history=tuple(history), input_messages=input_messages)
-    request = ResponsesRequest(id=request_id, body=body, **values)
-    request._check_combinations()
-    return request
+    return ResponsesRequest(id=request_id, body=body, history=tuple(history), **values).to_chat(thinks=thinks)

@@ -1,6 +1,6 @@
 """Readers of the tool fields of a chat body (`tools`, the deprecated
 `functions`, `tool_choice`), which the request kinds declare theirs with
-(the Responses and Messages kinds through `_function`)."""
+(the Responses and Messages kinds through `read_function`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lockgate.errors import InvalidRequestError
-from lockgate.plugin_api.readers import _object, boolean, json_type, string
+from lockgate.plugin_api.readers import json_object, boolean, json_type, string
 from lockgate.plugin_api.tool_calls import Tool, ToolChoice
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -25,7 +25,7 @@ def tool_objects(value: Any, where: str) -> list[tuple[str, Mapping[str, Any]]]:
     if not isinstance(value, list):
         raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
     _at_most_max_tools(value, where)
-    return [(f"{where}[{i}]", _object(item, f"{where}[{i}]")) for i, item in enumerate(value)]
+    return [(f"{where}[{i}]", json_object(item, f"{where}[{i}]")) for i, item in enumerate(value)]
 
 
 def read_tools(value: Any, where: str) -> tuple[Tool, ...]:
@@ -36,7 +36,7 @@ def read_tools(value: Any, where: str) -> tuple[Tool, ...]:
             raise InvalidRequestError(
                 f"{at}.type must be 'function' (this server runs no built-in tools)", param=f"{at}.type"
             )
-        tools.append(_function(tool.get("function"), f"{at}.function", names))
+        tools.append(read_function(tool.get("function"), f"{at}.function", names))
     return tuple(tools)
 
 
@@ -46,7 +46,7 @@ def read_functions(value: Any, where: str) -> tuple[Tool, ...]:
         raise InvalidRequestError(f"{where} must be an array, not {json_type(value)}", param=where)
     _at_most_max_tools(value, where)
     names: set[str] = set()
-    return tuple(_function(item, f"{where}[{i}]", names) for i, item in enumerate(value))
+    return tuple(read_function(item, f"{where}[{i}]", names) for i, item in enumerate(value))
 
 
 def _at_most_max_tools(value: list, where: str) -> None:
@@ -55,8 +55,8 @@ def _at_most_max_tools(value: list, where: str) -> None:
                                   param=where)
 
 
-def _function(value: Any, where: str, names: set[str]) -> Tool:
-    function = _object(value, where)
+def read_function(value: Any, where: str, names: set[str]) -> Tool:
+    function = json_object(value, where)
     name = function.get("name")
     if not isinstance(name, str) or not TOOL_NAME.match(name):
         raise InvalidRequestError(
@@ -92,7 +92,7 @@ def read_tool_choice(value: Any, where: str) -> str:
                 param=where,
             )
         return ToolChoice(value)
-    choice = _object(value, where)
+    choice = json_object(value, where)
     function = choice.get("function") if "function" in choice else choice
     if "function" in choice and choice.get("type") != "function":
         raise InvalidRequestError(f"{where}.type must be 'function'", param=f"{where}.type")

@@ -17,7 +17,8 @@ from aiohttp import web
 from lockgate.engine import Handle, Usage
 from lockgate.errors import ErrorResponse
 from lockgate.models import Model
-from lockgate.plugin_api.messages import MessagesRequest, parse_messages_request
+from lockgate.plugin_api.messages import parse_messages_request
+from lockgate.plugin_api.request import ChatRequest
 from lockgate.plugin_api.output import OutputParser
 from lockgate.plugin_api.decoding import decoding_for
 from lockgate.plugin_api.pipeline import count_prompt_tokens
@@ -59,7 +60,7 @@ def _stop_reason(finish_reason: str | None, stop_string: str | None, calls: list
 class MessageBuilder:
     """The `message` object and its content blocks for one request."""
 
-    def __init__(self, typed: MessagesRequest, model_name: str) -> None:
+    def __init__(self, typed: ChatRequest, model_name: str) -> None:
         self.id = "msg_" + typed.id
         self.model = model_name
 
@@ -98,12 +99,12 @@ class MessageBuilder:
         return {"type": "tool_use", "id": call.id, "name": call.name, "input": tool_input}
 
 
-def _parse(request: web.Request, body: dict[str, Any], model: Model) -> MessagesRequest:
+def _parse(request: web.Request, body: dict[str, Any], model: Model) -> ChatRequest:
     return parse_messages_request(body, request_id=request[REQUEST_ID], thinks=model.reasoning_format is not None,
                                   fields=request.config_dict[FIELD_POLICY])
 
 
-async def _answer(request: web.Request, typed: MessagesRequest, model: Model, handles: list[Handle]):
+async def _answer(request: web.Request, typed: ChatRequest, model: Model, handles: list[Handle]):
     parser = decoding_for(typed, model).reader(handles[0].work.prompt_token_ids)
     builder = MessageBuilder(typed, model.name)
     if typed.stream:

@@ -26,6 +26,7 @@ from lockgate.models import Model
 from lockgate.plugin_api.output import Output
 from lockgate.plugin_api.decoding import decoding_for
 from lockgate.plugin_api.readers import Message, string
+from lockgate.plugin_api.request import ChatRequest
 from lockgate.plugin_api.responses import ResponsesRequest, parse_responses_request
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
@@ -118,12 +119,12 @@ class ResponseObjectBuilder:
             "error": error,
             "incomplete_details": None if incomplete is None else {"reason": incomplete},
             "instructions": self.typed.instructions,
-            "max_output_tokens": self.typed.max_tokens,
+            "max_output_tokens": self.typed.max_output_tokens,
             "model": self.model,
             "output": output,
             "parallel_tool_calls": self.typed.parallel_tool_calls,
             "previous_response_id": self.typed.previous_response_id,
-            "reasoning": {"effort": self.typed.reasoning_effort, "summary": None},
+            "reasoning": {"effort": self.typed.reasoning, "summary": None},
             "store": self.typed.store,
             "temperature": self.typed.temperature,
             "text": {"format": text_format or {"type": "text"}},
@@ -170,11 +171,11 @@ def _finished(typed: ResponsesRequest, builder: ResponseObjectBuilder, output: l
                              incomplete="max_output_tokens" if cut_short else None)
     if typed.store:
         answer = Message("assistant", read.content, tool_calls=tuple(read.calls), reasoning=read.reasoning)
-        store.put(builder.id, StoredResponse(final, (*typed.history, *typed.input_messages, answer), owner))
+        store.put(builder.id, StoredResponse(final, (*typed.history, *typed.input, answer), owner))
     return final
 
 
-def _parse(request: web.Request, body: dict[str, Any], model: Model) -> ResponsesRequest:
+def _parse(request: web.Request, body: dict[str, Any], model: Model) -> ChatRequest:
     """The body typed as a chat request, after the conversation it continues."""
     history: tuple[Message, ...] = ()
     previous = body.get("previous_response_id")
@@ -187,9 +188,10 @@ def _parse(request: web.Request, body: dict[str, Any], model: Model) -> Response
                                    thinks=model.reasoning_format is not None)
 
 
-async def _answer(request: web.Request, typed: ResponsesRequest, model: Model, handles: list[Handle]):
+async def _answer(request: web.Request, chat: ChatRequest, model: Model, handles: list[Handle]):
     store, owner = request.config_dict[RESPONSE_STORE], owner_of(request)
-    parser = decoding_for(typed, model).reader(handles[0].work.prompt_token_ids)
+    parser = decoding_for(chat, model).reader(handles[0].work.prompt_token_ids)
+    typed: ResponsesRequest = chat.origin
     builder = ResponseObjectBuilder(typed, model.name)
     if typed.stream:
         return await _stream(request, typed, handles, builder, parser, store, owner)
