@@ -48,7 +48,7 @@ def main() -> None:
     from tvm.s_tir import dlight as dl
     from tvm.target import Target
 
-    from lockgate.plugins.tvm import int8_matmul
+    from lockgate.plugins.tvm import int8_activations, int8_matmul
     from lockgate.plugins.tvm.formats import FORMATS, pack_blocks
     from lockgate.plugins.tvm.layers import PREFILL_ROW_TILE, _panel_matmul, int8_row_tile, panel_width
     from lockgate.plugins.tvm.schedules import CPUMatmul
@@ -81,7 +81,7 @@ def main() -> None:
         x = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
         for fmt in args.formats.split(","):
             block, group = int8_matmul.activation_layout(fmt, isa)
-            quantize = build(int8_matmul.quantize_activations(k, block, group))
+            quantize = build(int8_activations.quantize_activations(k, block, group))
             xs = [tvm.runtime.tensor(x, dev), tvm.runtime.empty((rows, k), "int8", dev),
                   tvm.runtime.empty((rows, k // block), "float32", dev),
                   tvm.runtime.empty((rows, k // group), "float32", dev)]
@@ -115,7 +115,7 @@ def stream(args, target, isa: str, build) -> None:
     import tvm
     from kquants import random_blocks
 
-    from lockgate.plugins.tvm import int8_matmul
+    from lockgate.plugins.tvm import int8_activations, int8_matmul
     from lockgate.plugins.tvm.formats import FORMATS, pack_blocks
     from lockgate.plugins.tvm.weights import to_panels
 
@@ -129,7 +129,7 @@ def stream(args, target, isa: str, build) -> None:
         block, group = int8_matmul.activation_layout(fmt, isa)
         xs = [tvm.runtime.tensor(x, dev), tvm.runtime.empty((1, k), "int8", dev),
               tvm.runtime.empty((1, k // block), "float32", dev), tvm.runtime.empty((1, k // group), "float32", dev)]
-        build(int8_matmul.quantize_activations(k, block, group))["main"](*xs)
+        build(int8_activations.quantize_activations(k, block, group))["main"](*xs)
         parts = pack_blocks(random_blocks(fmt, n, k), n, k, fmt)
         panels = [np.ascontiguousarray(to_panels(parts[p.name].T, int8_matmul.LANES)) for p in FORMATS[fmt].parts]
         nbytes = sum(a.nbytes for a in panels)

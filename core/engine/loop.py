@@ -19,7 +19,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import structlog
@@ -27,6 +27,7 @@ import structlog
 from lockgate.engine.admission import admitted_max_tokens
 from lockgate.engine.client import EngineStats
 from lockgate.engine.delivery import Events, Outbox
+from lockgate.engine.executor import Executor
 from lockgate.engine.handle import END, Delta, EngineObserver, RequestHandle
 from lockgate.engine.options import EngineOptions
 from lockgate.engine.sampling import SamplingRow
@@ -37,9 +38,6 @@ from lockgate.engine.stop import LENGTH, StopChecker
 from lockgate.engine.verification import speculative_step
 from lockgate.engine.work import Work
 from lockgate.errors import InternalError, Unavailable
-
-if TYPE_CHECKING:  # the engine needs the interface only to name it
-    from lockgate.engine.executor import Executor
 
 log = structlog.get_logger("lockgate.engine")
 
@@ -56,7 +54,7 @@ class Engine:
 
     def __init__(
         self,
-        executor: "Executor",
+        executor: Executor,
         tokenizer,
         *,
         eos_token_ids: Sequence[int],
@@ -436,12 +434,8 @@ class Engine:
     # ----------------------------------------------------------- failures
 
     def _executor_failed(self, exc: Exception, states: set[RequestState], events: Events) -> None:
-        log.error(
-            "executor call failed",
-            error=repr(exc),
-            request_ids=sorted(s.request_id for s in states),
-            exc_info=exc,
-        )
+        log.error("executor call failed", error=repr(exc), request_ids=sorted(s.request_id for s in states),
+                  exc_info=exc)
         for state in states:
             self._retire(state, ERROR, InternalError("the model failed while generating"), events)
         self._note_failure(f"executor failed: {exc!r}")

@@ -49,8 +49,8 @@ from lockgate.models.config import ModelConfig
 #: the plugin's sources every model library is compiled from (the network's
 #: own module is added per network)
 MODEL_SOURCES = (
-    "layers.py", "formats.py", "int8_matmul.py", "decoder.py", "rope.py", "paged_attention.py", "schedules.py",
-    "pipelines.py", "compile.py",
+    "layers.py", "formats.py", "int8_matmul.py", "int8_activations.py", "tir_vectors.py", "decoder.py", "rope.py",
+    "paged_attention.py", "schedules.py", "pipelines.py", "compile.py",
 )
 #: the sources the sampler's library is compiled from
 SAMPLER_SOURCES = ("sampler_kernels.py", "sampler_build.py", "schedules.py", "pipelines.py")

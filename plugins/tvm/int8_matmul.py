@@ -2,7 +2,7 @@
 
 A packed linear (`formats.FORMATS`) on the CPU multiplies integer codes by
 8-bit activations, as llama.cpp does, instead of dequantizing every weight
-to float32: `quantize_activations` cuts each row of x into blocks of 32,
+to float32: `int8_activations.quantize_activations` cuts each row of x into blocks of 32,
 scales each block by its largest magnitude into int8 (round to nearest) and
 keeps the scale and each scale group's sum; `packed_matmul` then takes, for
 16 output columns (one weight panel) and four consecutive inputs, the 64
@@ -40,9 +40,7 @@ from tvm.target.codegen import target_has_features
 from tvm.tirx.script.builder import ir as T
 
 from lockgate.plugins.tvm.formats import FORMATS
-
-#: output columns per weight panel: one 512-bit vector of int32 sums
-LANES = 16
+from lockgate.plugins.tvm.tir_vectors import LANES, bcast, f32, ramp, u8
 
 #: rows computed together in prefill, by instruction set (AVX-512 has 32
 #: vector registers, AVX2 16); see `row_tile`
@@ -79,79 +77,6 @@ def runs_int8(fmt: str, in_features: int, out_features: int) -> bool:
     return fmt in FORMATS and out_features % LANES == 0 and in_features % 32 == 0
 
 
-def _ramp(start, lanes: int):
-    return tirx.Ramp(start, 1, lanes)
-
-
-def _bcast(value, lanes: int):
-    return tirx.Broadcast(value, lanes)
-
-
-def _u8(value: int):
-    return _bcast(tirx.const(value, "uint8"), 64)
-
-
-def _f32(expr, lanes: int = LANES):
-    return tirx.Cast(f"float32x{lanes}", expr)
-
-
-def _halves(vec, lanes: int):
-    half = lanes // 2
-    lo = tirx.Shuffle([vec], [tirx.const(i, "int32") for i in range(half)])
-    hi = tirx.Shuffle([vec], [tirx.const(i, "int32") for i in range(half, lanes)])
-    return lo, hi, half
-
-
-def _reduce(combine, vec, lanes: int):
-    """A vector's lanes folded pairwise with `combine` into one value."""
-    while lanes > 1:
-        lo, hi, lanes = _halves(vec, lanes)
-        vec = combine(lo, hi)
-    return vec
-
-
-def quantize_activations(k_extent: int, block: int = 32, group: int = 32) -> tirx.PrimFunc:
-    """x (rows, k) float32 -> x8 (rows, k) int8, dx (rows, k / block) the
-    blocks' scales, sums (rows, k / group) each scale group's sum of x8
-    times dx (`activation_layout` gives a format's block and group). A block
-    of 32 is one vector, its largest magnitude and sums folded from it in
-    registers; a block of 256 eight of them."""
-    rows = tirx.Var("rows", "int64")
-    vectors = block // 32
-    with IRBuilder() as ib:
-        with T.prim_func(s_tir=True):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            x = T.arg("x", T.buffer((rows, k_extent), "float32"))
-            x8 = T.arg("x8", T.buffer((rows, k_extent), "int8"))
-            dx = T.arg("dx", T.buffer((rows, k_extent // block), "float32"))
-            sums = T.arg("sums", T.buffer((rows, k_extent // group), "float32"))
-            with T.sblock("root"), T.parallel(0, rows) as r:
-                with T.serial(0, k_extent // block) as b:
-                    # the block's largest magnitude, held once for its uses below
-                    held = T.alloc_buffer((1,), "float32", scope="global")
-                    magnitude = T.abs(x[r, _ramp(b * block, 32)])
-                    for v in range(1, vectors):
-                        magnitude = T.max(magnitude, T.abs(x[r, _ramp(b * block + v * 32, 32)]))
-                    T.buffer_store(held, _reduce(T.max, magnitude, 32), [0])
-                    amax = held[0]
-                    inverse = T.Select(
-                        amax > tirx.const(0.0, "float32"),
-                        tirx.const(127.0, "float32") / amax,
-                        tirx.const(0.0, "float32"),
-                    )
-                    scale = amax / tirx.const(127.0, "float32")
-                    T.buffer_store(dx, scale, [r, b])
-                    for v in range(vectors):
-                        at = b * block + v * 32
-                        codes = tirx.Cast("int32x32", T.round(x[r, _ramp(at, 32)] * _bcast(inverse, 32)))
-                        T.buffer_store(x8, tirx.Cast("int8x32", codes), [r, _ramp(at, 32)])
-                        parts = [codes] if group == 32 else _halves(codes, 32)[:2]
-                        for h, part in enumerate(parts):
-                            total = _reduce(lambda a, c: a + c, part, group)
-                            T.buffer_store(sums, scale * total.astype("float32"), [r, at // group + h])
-    return ib.get()
-
-
 class _Weights:
     """How one format's codes, scales and offsets are read from panel `p` of
     its paneled parts (`P`, in / per, 16) inside the kernel, as vector
@@ -168,7 +93,7 @@ class _Weights:
         self.signed = fmt == "q8_0" and isa != "avx512vnni"
 
     def _words(self, name: str, at) -> tirx.PrimExpr:
-        return self.parts[name][self.p, at, _ramp(0, LANES)]
+        return self.parts[name][self.p, at, ramp(0, LANES)]
 
     def bytes(self, name: str, at) -> tirx.PrimExpr:
         """The 64 bytes of 16 outputs' words at `at`, as uint8x64."""
@@ -180,19 +105,19 @@ class _Weights:
         if self.fmt == "q8_0":
             if self.signed:
                 return tirx.reinterpret("int8x64", self._words("codes", k8 * 2 + half))
-            return self.bytes("codes", k8 * 2 + half) ^ _u8(128)
+            return self.bytes("codes", k8 * 2 + half) ^ u8(128)
         word = self.bytes("codes", k8)
-        code = word & _u8(15) if half == 0 else word >> _u8(4)
+        code = word & u8(15) if half == 0 else word >> u8(4)
         if self.fmt in ("q5_0", "q5_1", "q5_k"):
             shift = (k8 % 4) * 2 + half  # bit of the group in each byte
             high = self.bytes("high", k8 // 4)
-            fifth = (high >> tirx.Broadcast(shift.astype("uint8"), 64)) & _u8(1)
-            code = code | (fifth << _u8(4))
+            fifth = (high >> tirx.Broadcast(shift.astype("uint8"), 64)) & u8(1)
+            code = code | (fifth << u8(4))
         elif self.fmt == "q6_k":
             shift = ((k8 % 2) * 2 + half) * 2
             high = self.bytes("high", k8 // 2)
-            top = (high >> tirx.Broadcast(shift.astype("uint8"), 64)) & _u8(3)
-            code = code | (top << _u8(4))
+            top = (high >> tirx.Broadcast(shift.astype("uint8"), 64)) & u8(3)
+            code = code | (top << u8(4))
         return code
 
     def prefetch(self, k8, k8_in: int, lines: int) -> list[tirx.PrimExpr]:
@@ -224,25 +149,25 @@ class _Weights:
 
     def super_scale(self, block) -> tirx.PrimExpr:
         """A K-quant super-block's float scale d (float32x16)."""
-        return _f32(self._words("super_scales", block))
+        return f32(self._words("super_scales", block))
 
     def scale_and_offset(self, g) -> tuple[tirx.PrimExpr, tirx.PrimExpr | None]:
         """Group g's scale a and offset b (float32x16; b None when zero)."""
         fmt = self.fmt
         if fmt in ("q4_k", "q5_k"):
-            a = _f32(self._words("super_scales", g // 8)) * _f32(self._words("sub_scales", g))
-            b = _f32(self._words("super_mins", g // 8)) * _f32(self._words("sub_mins", g))
+            a = f32(self._words("super_scales", g // 8)) * f32(self._words("sub_scales", g))
+            b = f32(self._words("super_mins", g // 8)) * f32(self._words("sub_mins", g))
             return a, -b
         if fmt == "q6_k":
-            a = _f32(self._words("super_scales", g // 16)) * _f32(self._words("sub_scales", g))
-            return a, a * _bcast(tirx.const(-32.0, "float32"), LANES)
-        d = _f32(self._words("scales", g))
+            a = f32(self._words("super_scales", g // 16)) * f32(self._words("sub_scales", g))
+            return a, a * bcast(tirx.const(-32.0, "float32"), LANES)
+        d = f32(self._words("scales", g))
         if fmt in ("q4_1", "q5_1"):
-            return d, _f32(self._words("mins", g))
+            return d, f32(self._words("mins", g))
         centre = {"q4_0": -8.0, "q5_0": -16.0, "q8_0": None if self.signed else -128.0}[fmt]
         if centre is None:
             return d, None
-        return d, d * _bcast(tirx.const(centre, "float32"), LANES)
+        return d, d * bcast(tirx.const(centre, "float32"), LANES)
 
 
 def _dot(isa: str, acc, codes, x4, signed: bool):
@@ -255,10 +180,10 @@ def _dot(isa: str, acc, codes, x4, signed: bool):
             "llvm.x86.avx512.vpdpbusd.512",
             acc,
             tirx.reinterpret("int8x64", codes),
-            tirx.reinterpret("int8x64", _bcast(x4, 16)),
+            tirx.reinterpret("int8x64", bcast(x4, 16)),
         )
-    x32 = tirx.reinterpret("int8x32", _bcast(x4, 8))
-    ones = _bcast(tirx.const(1, "int16"), 16)
+    x32 = tirx.reinterpret("int8x32", bcast(x4, 8))
+    ones = bcast(tirx.const(1, "int16"), 16)
     halves = []
     for h in range(2):
         part = tirx.Shuffle([codes], [tirx.const(i, "int32") for i in range(32 * h, 32 * h + 32)])
@@ -299,7 +224,7 @@ def _pair_sums(codes, x4s, h: int):
     sums = None
     for group, x4 in zip(codes, x4s):
         part = tirx.Shuffle([group], [tirx.const(i, "int32") for i in range(32 * h, 32 * h + 32)])
-        x32 = tirx.reinterpret("int8x32", _bcast(x4, 8))
+        x32 = tirx.reinterpret("int8x32", bcast(x4, 8))
         pairs = tirx.call_llvm_pure_intrin(
             "int16x16", "llvm.x86.avx2.pmadd.ub.sw", tirx.reinterpret("int8x32", part), x32
         )
@@ -311,7 +236,7 @@ def _widen(sums16, factors=None):
     """AVX2: int16 pair sums of 16 outputs (two int16x16, outputs 0-7 and
     8-15) added pairwise into int32x16 (`vpmaddwd` by ones, or by each
     output's integer sub-scale: `factors`, from `_Weights.scale_pairs`)."""
-    ones = _bcast(tirx.const(1, "int16"), 16)
+    ones = bcast(tirx.const(1, "int16"), 16)
     factors = factors or [ones, ones]
     halves = [
         tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", s, f) for s, f in zip(sums16, factors)
@@ -395,7 +320,7 @@ def packed_matmul(
 
                     def zero(buffer, count: int, dtype: str) -> None:
                         for r in range(count):
-                            T.buffer_store(buffer, _bcast(tirx.const(0, dtype), LANES), [_ramp(r * LANES, LANES)])
+                            T.buffer_store(buffer, bcast(tirx.const(0, dtype), LANES), [ramp(r * LANES, LANES)])
 
                     def integer_sums(g, factors) -> None:
                         """Group g's integer sums into acci: set, or with
@@ -409,24 +334,24 @@ def packed_matmul(
                             codes = [weights.codes(k8, half) for half in range(2)]
                             for r in range(row_tile):
                                 x4s = [
-                                    tirx.reinterpret("int32", x8[row_of[r], _ramp(k8 * 8 + half * 4, 4)])
+                                    tirx.reinterpret("int32", x8[row_of[r], ramp(k8 * 8 + half * 4, 4)])
                                     for half in range(2)
                                 ]
                                 if run:  # AVX2: int16 sums over `run` eights, then one widening
                                     for h in range(2):
-                                        at = _ramp((r * 2 + h) * 16, 16)
+                                        at = ramp((r * 2 + h) * 16, 16)
                                         sums = _pair_sums(codes, x4s, h)
                                         if k8_in % run:
                                             sums = acc16[at] + sums
                                         T.buffer_store(acc16, sums, [at])
                                     if k8_in % run == run - 1:
-                                        at = _ramp(r * chains * LANES, LANES)
-                                        wide = _widen([acc16[_ramp((r * 2 + h) * 16, 16)] for h in range(2)], factors)
+                                        at = ramp(r * chains * LANES, LANES)
+                                        wide = _widen([acc16[ramp((r * 2 + h) * 16, 16)] for h in range(2)], factors)
                                         first = k8_in < run and not factors
                                         T.buffer_store(acci, wide if first else acci[at] + wide, [at])
                                     continue
                                 for half in range(2):
-                                    at = _ramp((r * chains + (k8_in * 2 + half) % chains) * LANES, LANES)
+                                    at = ramp((r * chains + (k8_in * 2 + half) % chains) * LANES, LANES)
                                     dot = _dot(isa, acci[at], codes[half], x4s[half], weights.signed)
                                     T.buffer_store(acci, dot, [at])
 
@@ -435,20 +360,20 @@ def packed_matmul(
                         for r in range(row_tile):
                             value = update(r)
                             if value is not None:
-                                at = _ramp(r * LANES, LANES)
+                                at = ramp(r * LANES, LANES)
                                 T.buffer_store(accf, accf[at] + value, [at])
 
                     def offsets(b, g, r):
                         """Row r's offset term of group g: b times dx times its activations' sum."""
                         if b is None:
                             return None
-                        return b * _bcast(sums[row_of[r], g], LANES)
+                        return b * bcast(sums[row_of[r], g], LANES)
 
                     def integer_total(r):
-                        total = acci[_ramp(r * chains * LANES, LANES)]
+                        total = acci[ramp(r * chains * LANES, LANES)]
                         for chain in range(1, chains):
-                            total = total + acci[_ramp((r * chains + chain) * LANES, LANES)]
-                        return _f32(total)
+                            total = total + acci[ramp((r * chains + chain) * LANES, LANES)]
+                        return f32(total)
 
                     zero(accf, row_tile, "float32")
                     if fold:
@@ -460,14 +385,14 @@ def packed_matmul(
                                 _, b = weights.scale_and_offset(g)
                                 add_to_rows(lambda r: offsets(b, g, r))
                             d = weights.super_scale(sb)
-                            add_to_rows(lambda r: d * _bcast(dx[row_of[r], sb], LANES) * integer_total(r))
+                            add_to_rows(lambda r: d * bcast(dx[row_of[r], sb], LANES) * integer_total(r))
                     else:
                         with T.serial(0, k_extent // group) as g:
                             integer_sums(g, None)
                             a, b = weights.scale_and_offset(g)
 
                             def group_update(r):
-                                update = a * _bcast(dx[row_of[r], g * group // 32], LANES) * integer_total(r)
+                                update = a * bcast(dx[row_of[r], g * group // 32], LANES) * integer_total(r)
                                 offset = offsets(b, g, r)
                                 return update if offset is None else update + offset
 
@@ -476,6 +401,6 @@ def packed_matmul(
                         with T.If(tile * row_tile + r < rows):
                             with T.Then():
                                 T.buffer_store(
-                                    y, accf[_ramp(r * LANES, LANES)], [tile * row_tile + r, _ramp(p * LANES, LANES)]
+                                    y, accf[ramp(r * LANES, LANES)], [tile * row_tile + r, ramp(p * LANES, LANES)]
                                 )
     return ib.get()

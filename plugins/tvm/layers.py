@@ -35,7 +35,7 @@ from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from lockgate.plugins.tvm import int8_matmul
+from lockgate.plugins.tvm import int8_activations, int8_matmul
 from lockgate.plugins.tvm.formats import CPU_ACTIVATIONS, FORMATS, split_groups
 
 #: the activation dtype on the CPU
@@ -244,7 +244,7 @@ def int8_row_tile(isa: str, row_tile: int, fmt: str) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _quantize_activations(k_extent: int, block: int, group: int):
-    return int8_matmul.quantize_activations(k_extent, block, group)
+    return int8_activations.quantize_activations(k_extent, block, group)
 
 
 @functools.lru_cache(maxsize=None)

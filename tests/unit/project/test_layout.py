@@ -1,8 +1,9 @@
 """The layout map (docs/architecture.md) names every module of the three packages, and
-only modules that exist."""
+only modules that exist; no module is over 450 lines without saying why."""
 
 from __future__ import annotations
 
+import ast
 import re
 
 from paths import ROOT
@@ -85,3 +86,21 @@ def test_core_and_server_import_no_plugin():
                     names = [node.module]
                 found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.startswith("lockgate.plugins")]
     assert not found, found
+
+
+#: the most lines a module has unless its docstring says why it needs more
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_over_450_lines_without_saying_why():
+    """A module past `MAX_MODULE_LINES` says in its docstring why it is one
+    piece ("over 450 lines because ..."); any other is split by concern."""
+    unexplained = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            source = path.read_text()
+            lines = source.count("\n")
+            docstring = ast.get_docstring(ast.parse(source)) or ""
+            if lines > MAX_MODULE_LINES and "over 450 lines because" not in docstring:
+                unexplained.append(f"{path.relative_to(ROOT)} ({lines} lines)")
+    assert not unexplained, f"split these by concern, or say why in their docstring: {unexplained}"

@@ -18,7 +18,7 @@ from kquants import random_blocks  # noqa: E402
 import tvm  # noqa: E402
 from tvm.target import Target  # noqa: E402
 
-from lockgate.plugins.tvm import int8_matmul  # noqa: E402
+from lockgate.plugins.tvm import int8_activations, int8_matmul  # noqa: E402
 from lockgate.plugins.tvm.formats import FORMATS, pack_blocks, unpack_values  # noqa: E402
 from lockgate.plugins.tvm.weights import to_panels  # noqa: E402
 
@@ -37,7 +37,7 @@ def _build(func, target):
 
 def _quantized(x: np.ndarray, target, block: int = 32, group: int = 32) -> list:
     rows, k = x.shape
-    lib = _build(int8_matmul.quantize_activations(k, block, group), target)
+    lib = _build(int8_activations.quantize_activations(k, block, group), target)
     dev = tvm.cpu()
     out = [
         tvm.runtime.tensor(x, dev),
