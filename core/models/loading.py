@@ -172,25 +172,26 @@ def registered_families(pm: pluggy.PluginManager) -> ModelFamilies:
     return families
 
 
+def _in_order(hook) -> list:
+    """What the implementations of a `register(thing)` hook offer, in the order they register it."""
+    offered: list = []
+    hook(register=offered.append)
+    return offered
+
+
 def registered_tool_call_formats(pm: pluggy.PluginManager) -> list[type]:
     """Every tool-call format plugins offer, in the order they are tried."""
-    formats: list[type] = []
-    pm.hook.lockgate_register_tool_call_formats(register=formats.append)
-    return formats
+    return _in_order(pm.hook.lockgate_register_tool_call_formats)
 
 
 def registered_drafters(pm: pluggy.PluginManager) -> list[type]:
     """Every drafter plugins offer, in the order the engine asks them."""
-    drafters: list[type] = []
-    pm.hook.lockgate_register_drafters(register=drafters.append)
-    return drafters
+    return _in_order(pm.hook.lockgate_register_drafters)
 
 
 def registered_reasoning_formats(pm: pluggy.PluginManager) -> list[type]:
     """Every reasoning format plugins offer, in the order they are tried."""
-    formats: list[type] = []
-    pm.hook.lockgate_register_reasoning_formats(register=formats.append)
-    return formats
+    return _in_order(pm.hook.lockgate_register_reasoning_formats)
 
 
 @dataclasses.dataclass

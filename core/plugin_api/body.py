@@ -17,11 +17,13 @@ from lockgate.errors import InvalidRequestError
 from lockgate.plugin_api.readers import Reader
 
 
-def param(default: Any = None, reader: Reader | None = None, *, key: str | None = None, required: bool = False):
+def param(default: Any = None, reader: Reader | None = None, *, key: str | None = None, required: bool = False,
+          shared: bool = False):
     """Declare one body field: read with `reader` from `body[key]` (the
     attribute's name by default) when present and not null, else `default`
-    (a `dict` default is copied for each request)."""
-    metadata = {"reader": reader, "key": key, "required": required}
+    (a `dict` default is copied for each request). `shared`: the field is
+    chat's own, handed to the chat request as it is (`same_as`)."""
+    metadata = {"reader": reader, "key": key, "required": required, "shared": shared}
     if isinstance(default, dict):
         return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -29,10 +31,11 @@ def param(default: Any = None, reader: Reader | None = None, *, key: str | None 
 
 def same_as(cls: type, name: str, *, key: str | None = None):
     """The field `name` as request type `cls` declares it (its reader and
-    default), read from `key` of this body (the same name by default)."""
+    default), read from `key` of this body (the same name by default), and
+    marked `shared`: its value is `cls`'s field of that name."""
     field = {f.name: f for f in dataclasses.fields(cls)}[name]
     default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-    return param(default, field.metadata["reader"], key=key)
+    return param(default, field.metadata["reader"], key=key, shared=True)
 
 
 def read_fields(cls: type, body: Mapping[str, Any]) -> dict[str, Any]:

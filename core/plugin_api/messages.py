@@ -38,6 +38,7 @@ from lockgate.plugin_api.readers import (
 from lockgate.plugin_api.fields import MESSAGES, STRICT, FieldPolicy, check_fields
 from lockgate.plugin_api.body import param, read_fields, same_as
 from lockgate.plugin_api.request import ChatRequest
+from lockgate.plugin_api.shared_fields import SharedFields
 from lockgate.plugin_api.tool_calls import Tool, ToolCall, ToolChoice
 from lockgate.plugin_api.tool_readers import read_function, tool_objects
 
@@ -239,21 +240,14 @@ def read_anthropic_metadata(value: Any, where: str) -> str | None:
     return None if user_id is None else string(user_id, f"{where}.user_id")
 
 
-#: fields a Messages body shares with chat, read as chat reads them
-_SHARED = ("model", "stream", "top_p", "top_k", "seed", "logit_bias", "min_p", "repetition_penalty", "ignore_eos",
-           "min_tokens", "skip_special_tokens", "stop_token_ids", "parallel_tool_calls")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MessagesRequest:
+class MessagesRequest(SharedFields):
     """A `POST /v1/messages` (or `/v1/messages/count_tokens`) body, its own
     fields only; `to_chat` gives the chat request the hooks see
     (`ChatRequest.origin` is this)."""
 
     endpoint: ClassVar[str] = MESSAGES_ENDPOINT
 
-    id: str
-    body: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     messages: tuple[Message, ...] = param((), read_anthropic_messages, required=True)
     system: str | None = param(None, read_system)
     max_tokens: int | None = param(None, integer(1))
@@ -267,25 +261,14 @@ class MessagesRequest:
     output_config: OutputFormat | None = param(None, read_output_config)
     #: `metadata.user_id`
     metadata: str | None = param(None, read_anthropic_metadata)
-    model: str = same_as(ChatRequest, "model")
-    stream: bool = same_as(ChatRequest, "stream")
-    top_p: float = same_as(ChatRequest, "top_p")
-    top_k: int = same_as(ChatRequest, "top_k")
-    seed: int | None = same_as(ChatRequest, "seed")
-    logit_bias: Mapping[int, float] = same_as(ChatRequest, "logit_bias")
-    min_p: float = same_as(ChatRequest, "min_p")
-    repetition_penalty: float = same_as(ChatRequest, "repetition_penalty")
-    ignore_eos: bool = same_as(ChatRequest, "ignore_eos")
-    min_tokens: int = same_as(ChatRequest, "min_tokens")
     skip_special_tokens: bool = same_as(ChatRequest, "skip_special_tokens")
     stop_token_ids: tuple[int, ...] = same_as(ChatRequest, "stop_token_ids")
-    parallel_tool_calls: bool = same_as(ChatRequest, "parallel_tool_calls")
 
     def to_chat(self) -> ChatRequest:
         """The chat request this one is: the system prompt as the first
         message, `thinking` as the template's `enable_thinking`, Anthropic's
         `disable_parallel_tool_use` as `parallel_tool_calls` false."""
-        values = {name: getattr(self, name) for name in _SHARED}
+        values = self.shared_values()
         if self.thinking is not None:
             values["chat_template_kwargs"] = {"enable_thinking": self.thinking}
         choice = self.body.get("tool_choice")

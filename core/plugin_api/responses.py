@@ -37,6 +37,7 @@ from lockgate.plugin_api.readers import (
 from lockgate.plugin_api.fields import RESPONSES, STRICT, FieldPolicy, check_fields
 from lockgate.plugin_api.body import param, read_fields, same_as
 from lockgate.plugin_api.request import ChatRequest, with_thinking
+from lockgate.plugin_api.shared_fields import SharedFields
 from lockgate.plugin_api.tool_calls import Tool, ToolCall, ToolChoice
 from lockgate.plugin_api.tool_readers import read_tools
 
@@ -220,21 +221,13 @@ def read_metadata(value: Any, where: str) -> dict[str, str]:
     return dict(metadata)
 
 
-#: fields a Responses body shares with chat, read as chat reads them
-_SHARED = ("model", "stream", "temperature", "top_p", "parallel_tool_calls", "user", "seed", "presence_penalty",
-           "frequency_penalty", "stop", "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-           "min_tokens")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ResponsesRequest:
+class ResponsesRequest(SharedFields):
     """A `POST /v1/responses` body, its own fields only; `to_chat` gives
     the chat request the hooks see (`ChatRequest.origin` is this)."""
 
     endpoint: ClassVar[str] = RESPONSES_ENDPOINT
 
-    id: str
-    body: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     input: tuple[Message, ...] = param((), read_input, required=True)
     instructions: str | None = param(None, string)
     max_output_tokens: int | None = param(None, integer(1))
@@ -248,22 +241,11 @@ class ResponsesRequest:
     store: bool = param(True, boolean)
     previous_response_id: str | None = param(None, string)
     metadata: Mapping[str, str] = param({}, read_metadata)
-    model: str = same_as(ChatRequest, "model")
-    stream: bool = same_as(ChatRequest, "stream")
     temperature: float = same_as(ChatRequest, "temperature")
-    top_p: float = same_as(ChatRequest, "top_p")
-    parallel_tool_calls: bool = same_as(ChatRequest, "parallel_tool_calls")
     user: str | None = same_as(ChatRequest, "user")
-    seed: int | None = same_as(ChatRequest, "seed")
     presence_penalty: float = same_as(ChatRequest, "presence_penalty")
     frequency_penalty: float = same_as(ChatRequest, "frequency_penalty")
     stop: tuple[str, ...] = same_as(ChatRequest, "stop")
-    logit_bias: Mapping[int, float] = same_as(ChatRequest, "logit_bias")
-    top_k: int = same_as(ChatRequest, "top_k")
-    min_p: float = same_as(ChatRequest, "min_p")
-    repetition_penalty: float = same_as(ChatRequest, "repetition_penalty")
-    ignore_eos: bool = same_as(ChatRequest, "ignore_eos")
-    min_tokens: int = same_as(ChatRequest, "min_tokens")
     #: the conversation before this request's `input` (from `previous_response_id`)
     history: tuple[Message, ...] = ()
 
@@ -281,7 +263,7 @@ class ResponsesRequest:
         :raises InvalidRequestError: (400) naming the Responses field, as
             `reasoning.effort` for an effort the model cannot take.
         """
-        values = {name: getattr(self, name) for name in _SHARED}
+        values = self.shared_values()
         with_thinking(values, self.reasoning, thinks=thinks, where="reasoning.effort")
         return ChatRequest.checked(
             id=self.id, body=self.body, origin=self, messages=self.messages, max_tokens=self.max_output_tokens,

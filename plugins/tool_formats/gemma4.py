@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from lockgate.plugin_api.tool_calls import (
     CALL,
@@ -21,6 +22,21 @@ from lockgate.plugins.tool_formats.common import parse_json, tool_list
 _GEMMA_QUOTE = '<|"|>'
 _GEMMA_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _GEMMA_WORDS = {"true": True, "false": False, "null": None, "none": None, "None": None}
+
+
+def _gemma_items(text: str, at: int, close: str, item) -> tuple[list, int]:
+    """The items of an object or array opening at `at`, each read by
+    `item(at) -> (item, at)`, separated by commas up to `close`."""
+    items, at = [], _skip_space(text, at + 1)
+    while not text.startswith(close, at):
+        one, at = item(at)
+        items.append(one)
+        at = _skip_space(text, at)
+        if text.startswith(",", at):
+            at = _skip_space(text, at + 1)
+        elif not text.startswith(close, at):
+            raise ValueError(f"expected , or {close}")
+    return items, at + 1
 
 
 def _gemma_value(text: str, at: int):
@@ -40,27 +56,15 @@ def _gemma_value(text: str, at: int):
     if text.startswith('"', at):
         return json.JSONDecoder().raw_decode(text, at)
     if text.startswith("{", at):
-        value, at = {}, _skip_space(text, at + 1)
-        while not text.startswith("}", at):
+        def member(at: int) -> tuple[tuple[str, Any], int]:
             key, at = _gemma_key(text, at)
-            value[key], at = _gemma_value(text, at)
-            at = _skip_space(text, at)
-            if text.startswith(",", at):
-                at = _skip_space(text, at + 1)
-            elif not text.startswith("}", at):
-                raise ValueError("expected , or }")
-        return value, at + 1
+            value, at = _gemma_value(text, at)
+            return (key, value), at
+
+        members, at = _gemma_items(text, at, "}", member)
+        return dict(members), at
     if text.startswith("[", at):
-        items, at = [], _skip_space(text, at + 1)
-        while not text.startswith("]", at):
-            item, at = _gemma_value(text, at)
-            items.append(item)
-            at = _skip_space(text, at)
-            if text.startswith(",", at):
-                at = _skip_space(text, at + 1)
-            elif not text.startswith("]", at):
-                raise ValueError("expected , or ]")
-        return items, at + 1
+        return _gemma_items(text, at, "]", lambda at: _gemma_value(text, at))
     number = _GEMMA_NUMBER.match(text, at)
     if number:
         return json.loads(number[0]), number.end()

@@ -18,12 +18,7 @@ from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.plugin_api.request import CHAT_ENDPOINT, ChatRequest, parse_request
 from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
 from lockgate.server.openai_api.choices import (
-    ChoicesBuilder,
-    collect,
-    json_string,
-    plain_chunks,
-    prompt_logprobs_body,
-    stream,
+    ChoicesBuilder, collect, json_string, plain_chunks, prompt_logprobs_body, stream,
 )
 from lockgate.server.serving import generate, sse_frame, total_usage
 

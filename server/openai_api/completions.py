@@ -16,12 +16,7 @@ from lockgate.models import Model
 from lockgate.plugin_api.request import COMPLETIONS_ENDPOINT, CompletionRequest, parse_request
 from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
 from lockgate.server.openai_api.choices import (
-    ChoicesBuilder,
-    collect,
-    json_string,
-    plain_chunks,
-    prompt_logprobs_body,
-    stream,
+    ChoicesBuilder, collect, json_string, plain_chunks, prompt_logprobs_body, stream,
 )
 from lockgate.server.serving import choice_offsets, generate, total_usage
 
