@@ -193,7 +193,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("engine", str, None,
             "what runs the model's requests: `local` (continuous batching in this process) or an engine "
             "plugin's name (`lockgate_register_engines`)",
-            default_text="`local`, or the engine a given setting of its plugin chooses (`--replicas`: `ray`)",
+            default_text="`local`, or the engine that a setting of its plugin, given, chooses",
             metavar="NAME"),
     Setting("shutdown_grace", float, 30.0, "seconds in-flight requests get after SIGTERM"),
     Setting("log_format", str, "auto", "`console`, `json`, or `auto` (console on a TTY, json otherwise)",

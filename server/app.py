@@ -39,7 +39,7 @@ from lockgate.server.middlewares import (
     set_replica_header,
     set_request_id_header,
 )
-from lockgate.server import anthropic_api
+from lockgate.server import anthropic_api, ollama_api
 from lockgate.server.openai_api import ROUTES as OPENAI_ROUTES
 from lockgate.server.openai_api.responses import RESPONSE_STORE, ResponseStore
 from lockgate.server.routes import routes
@@ -85,6 +85,7 @@ def create_app(
     api.add_subapp(anthropic_api.PREFIX, anthropic_api.messages_app(settings.max_body_size))
     app[RESPONSE_STORE] = ResponseStore(settings.responses_store_size)
     app.add_subapp("/v1", api)
+    app.add_subapp(ollama_api.PREFIX, ollama_api.ollama_app(settings.max_body_size))
     app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))
     app.on_cleanup.append(_close_trimmer)
     return app

@@ -194,11 +194,16 @@ def total_usage(handles: list[Handle]) -> Usage:
 # ------------------------------------------------------------------ server-sent events
 
 
-async def open_event_stream(request: web.Request, handles: list[Handle]):
-    """Start a server-sent-event answer: the response, prepared (the
-    headers are gone), and the merged deltas of `handles`, read with the
-    slow-reader limit."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+#: what a streamed answer is sent as: server-sent events (OpenAI's and
+#: Anthropic's APIs), or a JSON object a line (Ollama's)
+EVENT_STREAM, NDJSON = "text/event-stream", "application/x-ndjson"
+
+
+async def open_event_stream(request: web.Request, handles: list[Handle], content_type: str = EVENT_STREAM):
+    """Start a streamed answer: the response, prepared (the headers are
+    gone), and the merged deltas of `handles`, read with the slow-reader
+    limit."""
+    response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
     response.enable_chunked_encoding()
     deltas = MergedDeltas(request, handles, backlog_limit=STREAM_BACKLOG_LIMIT)
     await response.prepare(request)
@@ -248,13 +253,15 @@ Parse = Callable[[web.Request, dict[str, Any], Model], GenerationRequest]
 Answer = Callable[[web.Request, Any, Model, list[Handle]], Awaitable[web.StreamResponse]]
 
 
-async def generate(request: web.Request, parse: Parse, answer: Answer) -> web.StreamResponse:
-    """Serve one generating request: body, model, `parse`, the pipeline,
-    then `answer`. Whatever happens after the pipeline, the handles are
-    aborted (a no-op for finished ones) and the usage is noted for the
-    request's log line; a client that left is logged as 499."""
+async def generate(request: web.Request, parse: Parse, answer: Answer,
+                   model_name: Callable[[Any], Any] = lambda name: name) -> web.StreamResponse:
+    """Serve one generating request: body, model (its `model` field as the
+    protocol's `model_name` reads it), `parse`, the pipeline, then `answer`.
+    Whatever happens after the pipeline, the handles are aborted (a no-op
+    for finished ones) and the usage is noted for the request's log line; a
+    client that left is logged as 499."""
     body = await read_json_body(request)
-    model = request.config_dict[MODELS].resolve(body.get("model"))
+    model = request.config_dict[MODELS].resolve(model_name(body.get("model")))
     typed = parse(request, body, model)
     request[PIPELINE_REQUEST] = typed
     handles = await run_pipeline(request.config_dict[PLUGIN_MANAGER], typed, model)
@@ -275,12 +282,14 @@ async def event_stream(
     handles: list[Handle],
     write: Callable[[web.StreamResponse, MergedDeltas], Awaitable[None]],
     write_error: Callable[[web.StreamResponse, ErrorResponse], Awaitable[None]],
+    content_type: str = EVENT_STREAM,
 ) -> web.StreamResponse:
-    """Answer as server-sent events: `write` writes them from the merged
-    deltas; a failure once the headers are gone becomes the protocol's
-    error event (`write_error`, given the answer the error middleware would
-    have sent); a client that left or stopped reading ends it quietly."""
-    response, deltas = await open_event_stream(request, handles)
+    """Answer as a stream (server-sent events, or `NDJSON` lines): `write`
+    writes it from the merged deltas; a failure once the headers are gone
+    becomes the protocol's error event (`write_error`, given the answer the
+    error middleware would have sent); a client that left or stopped
+    reading ends it quietly."""
+    response, deltas = await open_event_stream(request, handles, content_type)
     try:
         await write(response, deltas)
     except ConnectionResetError:  # gone, or too slow (ClientTooSlow)

@@ -44,8 +44,8 @@ log = structlog.get_logger("lockgate.pipeline")
 IMPLEMENTED, ALIAS, ACCEPTED, REFUSED = "implemented", "alias", "accepted", "refused"
 KINDS = (IMPLEMENTED, ALIAS, ACCEPTED, REFUSED)
 
-CHAT, COMPLETIONS, RESPONSES, MESSAGES, TOKENIZE = (
-    "chat.completions", "completions", "responses", "messages", "tokenize",
+CHAT, COMPLETIONS, RESPONSES, MESSAGES, TOKENIZE, OLLAMA_CHAT, OLLAMA_GENERATE = (
+    "chat.completions", "completions", "responses", "messages", "tokenize", "ollama.chat", "ollama.generate",
 )
 #: each endpoint's route, for the docs and error messages
 ROUTES = {
@@ -54,6 +54,8 @@ ROUTES = {
     RESPONSES: "POST /v1/responses",
     MESSAGES: "POST /v1/messages (and /v1/messages/count_tokens)",
     TOKENIZE: "POST /tokenize",
+    OLLAMA_CHAT: "POST /api/chat (Ollama)",
+    OLLAMA_GENERATE: "POST /api/generate (Ollama)",
 }
 
 
@@ -367,11 +369,51 @@ TOKENIZE_FIELDS = (
     refused("mm_processor_kwargs", "this server reads text only", example={"x": 1}),
 )
 
+def _keep_alive(value: Any, where: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UnsupportedParameter(f"{where} must be a duration (\"5m\") or a number of seconds", param=where)
+    return value
+
+
+#: what Ollama's chat and generate bodies share
+_OLLAMA_GENERATION = (
+    implemented("model", "the served model's name (with `:latest`, the model itself)", "tiny"),
+    implemented("stream", "a JSON object a line (true unless false, as Ollama)", False),
+    implemented("format", "`json`, or a JSON schema the answer follows", "json"),
+    implemented("options", "`num_predict`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, "
+                "`repeat_penalty`, `presence_penalty`, `frequency_penalty` act; load-time options are the "
+                "server's (`num_ctx` up to the model's context); others are refused unless they ask for nothing",
+                {"temperature": 0.5, "num_predict": 2}),
+    implemented("think", "true, false or an effort: the thinking of a model with a reasoning format", False),
+    accepted("keep_alive", "the model stays loaded for the server's life", _keep_alive, "5m"),
+    refused("logprobs", "logprobs are served on /v1/chat/completions", (False,)),
+    refused("top_logprobs", "logprobs are served on /v1/chat/completions", (0,), 2),
+)
+
+OLLAMA_CHAT_FIELDS = (
+    *_OLLAMA_GENERATION,
+    implemented("messages", "system, user, assistant and tool turns (an assistant's `tool_calls` and `thinking`, "
+                "a tool's `tool_name`)", [{"role": "user", "content": "Hi"}]),
+    implemented("tools", "function tools", []),
+)
+
+OLLAMA_GENERATE_FIELDS = (
+    *_OLLAMA_GENERATION,
+    implemented("prompt", "the user's turn, in the model's template", "Hi"),
+    implemented("system", "a system prompt before it", "Be brief."),
+    refused("raw", "the model's template always applies", (False,)),
+    refused("template", "the template is the operator's (`--chat-template`)", ("",), "{{ .Prompt }}"),
+    refused("suffix", "fill-in-the-middle is not served", ("",), "}"),
+    refused("context", "send the conversation to /api/chat instead", ([],), [1, 2]),
+    refused("images", "this server reads text only", ([],), ["aGk="]),
+)
+
 FIELDS: Mapping[str, Mapping[str, Field]] = {
     endpoint: {f.name: f for f in rows}
     for endpoint, rows in (
         (CHAT, CHAT_FIELDS), (COMPLETIONS, COMPLETIONS_FIELDS), (RESPONSES, RESPONSES_FIELDS),
-        (MESSAGES, MESSAGES_FIELDS), (TOKENIZE, TOKENIZE_FIELDS),
+        (MESSAGES, MESSAGES_FIELDS), (TOKENIZE, TOKENIZE_FIELDS), (OLLAMA_CHAT, OLLAMA_CHAT_FIELDS),
+        (OLLAMA_GENERATE, OLLAMA_GENERATE_FIELDS),
     )
 }
 

@@ -34,7 +34,8 @@ NAMESPACE = "lockgate"
 #: the settings this plugin adds to `lockgate serve`
 SETTINGS = (
     Setting("replicas", str, None,
-            "engine replicas on Ray Serve (`lockgate[ray]`): a number, or `auto` to scale between "
+            "engine replicas on Ray Serve (`lockgate[ray]`; given, it chooses the `ray` engine): a number, or "
+            "`auto` to scale between "
             "`--min-replicas` and `--max-replicas` on ongoing requests",
             default_text="none: one engine in this process", metavar="N"),
     Setting("min_replicas", int, 1, "fewest replicas with `--replicas auto`"),

@@ -9,11 +9,14 @@ from __future__ import annotations
 import pytest
 
 from lockgate.plugin_api.fields import (
-    ACCEPTED, ALIAS, CHAT, COMPLETIONS, FIELDS, IMPLEMENTED, MESSAGES, REFUSED, RESPONSES, TOKENIZE,
+    ACCEPTED, ALIAS, CHAT, COMPLETIONS, FIELDS, IMPLEMENTED, MESSAGES, OLLAMA_CHAT, OLLAMA_GENERATE, REFUSED,
+    RESPONSES, TOKENIZE,
 )
 
 ROUTES = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", RESPONSES: "/v1/responses",
-          MESSAGES: "/v1/messages", TOKENIZE: "/tokenize"}
+          MESSAGES: "/v1/messages", TOKENIZE: "/tokenize", OLLAMA_CHAT: "/api/chat", OLLAMA_GENERATE: "/api/generate"}
+#: the endpoints whose errors are Ollama's: `{"error": "message"}`
+OLLAMA = (OLLAMA_CHAT, OLLAMA_GENERATE)
 USER = [{"role": "user", "content": "Hi"}]
 BASE = {
     CHAT: {"model": "tiny", "messages": USER, "max_tokens": 2},
@@ -21,6 +24,8 @@ BASE = {
     RESPONSES: {"model": "tiny", "input": "Hi", "max_output_tokens": 2},
     MESSAGES: {"model": "tiny", "messages": USER, "max_tokens": 2},
     TOKENIZE: {"model": "tiny", "messages": USER},
+    OLLAMA_CHAT: {"model": "tiny", "messages": USER, "stream": False, "options": {"num_predict": 2}},
+    OLLAMA_GENERATE: {"model": "tiny", "prompt": "Hi", "stream": False, "options": {"num_predict": 2}},
 }
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 #: what a field needs beside it to be valid at all
@@ -36,6 +41,8 @@ ENDPOINT_COMPANIONS = {
     (RESPONSES, "top_logprobs"): {},
     (TOKENIZE, "prompt"): {"messages": None},
     (TOKENIZE, "add_special_tokens"): {"messages": None, "prompt": "Hi"},
+    (OLLAMA_CHAT, "top_logprobs"): {},
+    (OLLAMA_GENERATE, "top_logprobs"): {},
 }
 #: a field that acts and so is answered otherwise than 200
 ACTING = {
@@ -77,8 +84,11 @@ async def test_a_refused_field_is_a_400_naming_it(client, endpoint, name):
     if endpoint == MESSAGES:  # Anthropic's shape
         assert error["type"] == "invalid_request_error" and name in error["message"]
         return
-    assert (error["code"], error["param"]) == ("unsupported_parameter", name)
-    assert row.note in error["message"]
+    if endpoint in OLLAMA:  # Ollama's: the message alone
+        assert name in error and row.note in error
+    else:
+        assert (error["code"], error["param"]) == ("unsupported_parameter", name)
+        assert row.note in error["message"]
     for neutral in (None, *row.neutral):
         response = await client.post(ROUTES[endpoint], json=body_with(endpoint, name, neutral))
         assert response.status == 200, (neutral, await response.text())
@@ -89,6 +99,9 @@ async def test_a_field_in_no_row_is_refused_as_openai_refuses_it(client, endpoin
     response = await client.post(ROUTES[endpoint], json={**BASE[endpoint], "foo_bar": 1})
     assert response.status == 400
     error = (await response.json())["error"]
+    if endpoint in OLLAMA:  # Ollama's: the message alone
+        assert "Unrecognized request argument supplied: foo_bar" in error
+        return
     assert "Unrecognized request argument supplied: foo_bar" in error["message"]
     if endpoint != MESSAGES:
         assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "unknown_parameter",
