@@ -41,7 +41,7 @@ from lockgate.plugin_api.readers import (
     read_response_format,
     string,
 )
-from lockgate.plugin_api.request import ChatRequest
+from lockgate.plugin_api.request import ChatRequest, thinking_switch
 from lockgate.plugin_api.tool_calls import Tool, ToolCall
 from lockgate.plugin_api.tool_readers import read_tools
 
@@ -196,13 +196,7 @@ class OllamaBase:
             raise UnsupportedParameter(
                 f"options.num_ctx ({num_ctx}) is more than this model's context of {context_length} tokens",
                 param="options.num_ctx")
-        if self.think is not None:
-            if self.think and not thinks:
-                raise UnsupportedParameter(
-                    "think is not supported for this model: it writes no reasoning apart from its answer",
-                    param="think")
-            if thinks:
-                values["chat_template_kwargs"] = {"enable_thinking": self.think}
+        thinking_switch(values, self.think, thinks=thinks, where="think")
         return ChatRequest.checked(id=self.id, body=self.body, origin=self, model=self.model, stream=self.stream,
                                    messages=messages, response_format=self.format, **values, **more)
 

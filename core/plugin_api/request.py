@@ -391,30 +391,35 @@ REQUEST_TYPES: dict[str, type[GenerationRequest]] = {
 
 
 def with_thinking(values: dict[str, Any], effort: str | None, *, thinks: bool, where: str) -> None:
-    """Turn a reasoning effort (`effort`, read from `where`) into the
-    thinking switch of the chat template, in `values` (the fields read):
-    `none` switches the thinking off, any other effort on. A model that
-    does not think (`thinks` false) has nothing to switch: an effort other
-    than `none` asks for what it cannot do.
+    """A reasoning effort (`effort`, read from `where`) as the template's
+    thinking switch (`thinking_switch`): `none` off, any other effort on."""
+    if effort is not None:
+        thinking_switch(values, effort != "none", thinks=thinks, where=where, said=effort)
 
-    :raises UnsupportedParameter: an effort for a model that does not think.
-    :raises InvalidRequestError: an effort that contradicts
-        `chat_template_kwargs.enable_thinking`.
+
+def thinking_switch(values: dict[str, Any], on: bool | None, *, thinks: bool, where: str, said: Any = None) -> None:
+    """Set the chat template's thinking switch (`enable_thinking`) in
+    `values` to `on` (None: leave it). A model that does not think
+    (`thinks` false) has nothing to switch: asking for its thinking asks
+    for what it cannot do, switching it off asks for nothing.
+
+    :raises UnsupportedParameter: `on` for a model that does not think.
+    :raises InvalidRequestError: a switch that contradicts
+        `chat_template_kwargs.enable_thinking` (`said`: the value sent).
     """
-    if effort is None:
+    if on is None:
         return
     if not thinks:
-        if effort != "none":
+        if on:
             raise UnsupportedParameter(
                 f"{where} is not supported for this model: it writes no reasoning apart from its answer",
                 param=where,
             )
         return
-    on = effort != "none"
     kwargs = dict(values.get("chat_template_kwargs") or {})
     if kwargs.get("enable_thinking", on) != on:
         raise InvalidRequestError(
-            f"{where} {effort!r} contradicts chat_template_kwargs.enable_thinking", param=where
+            f"{where} {on if said is None else said!r} contradicts chat_template_kwargs.enable_thinking", param=where
         )
     kwargs["enable_thinking"] = on
     values["chat_template_kwargs"] = kwargs
