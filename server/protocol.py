@@ -141,6 +141,15 @@ def error_body(answer: ErrorResponse) -> dict[str, Any]:
 ErrorWriter = Callable[[ErrorResponse], dict[str, Any]]
 
 
+def named_message(answer: ErrorResponse) -> str:
+    """The answer's message led by the field it names, for an API whose
+    error body has no `param` (Anthropic's, Ollama's); as it is where it
+    names none or already starts with it."""
+    if answer.param is None or answer.message.startswith(answer.param):
+        return answer.message
+    return f"{answer.param}: {answer.message}"
+
+
 def error_body_for(request: web.Request, answer: ErrorResponse) -> dict[str, Any]:
     """The error body in the shape of the API the request was routed to:
     the innermost application's `ERROR_WRITER` (a sub-app's, as Anthropic's

@@ -24,7 +24,7 @@ from lockgate.plugin_api.decoding import decoding_for
 from lockgate.plugin_api.pipeline import count_prompt_tokens
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.server.keys import FIELD_POLICY, MODELS, PLUGIN_MANAGER, REQUEST_ID
-from lockgate.server.protocol import read_json_body
+from lockgate.server.protocol import named_message, read_json_body
 from lockgate.server.serving import MergedDeltas, event_stream, generate, total_usage, write_event
 
 #: the routes, relative to the sub-app at `/v1/messages`
@@ -42,10 +42,7 @@ def error_body(answer: ErrorResponse) -> dict[str, Any]:
     (any other 4xx `invalid_request_error`, any other 5xx `api_error`)."""
     default = "invalid_request_error" if answer.status < 500 else "api_error"
     kind = _ERROR_TYPES.get(answer.status, default)
-    message = answer.message if answer.param is None else f"{answer.param}: {answer.message}"
-    if answer.param is not None and answer.message.startswith(answer.param):
-        message = answer.message
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"type": "error", "error": {"type": kind, "message": named_message(answer)}}
 
 
 

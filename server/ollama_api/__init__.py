@@ -7,11 +7,8 @@ request counter. Bodies are typed by `lockgate.plugin_api.ollama`."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
-from lockgate.errors import ErrorResponse
 from lockgate.server.keys import ERROR_WRITER
 from lockgate.server.middlewares import api_key_middleware, count_requests_middleware
 from lockgate.server.ollama_api import generate, models
@@ -20,19 +17,10 @@ from lockgate.server.ollama_api import generate, models
 PREFIX = "/api"
 
 
-def error_body(answer: ErrorResponse) -> dict[str, Any]:
-    """An error as Ollama writes it: the message alone (the field it names
-    leads it, where the message does not start with it)."""
-    message = answer.message
-    if answer.param is not None and not message.startswith(answer.param):
-        message = f"{answer.param}: {message}"
-    return {"error": message}
-
-
 def ollama_app(max_body_size: int) -> web.Application:
     app = web.Application(middlewares=[count_requests_middleware, api_key_middleware],
                           client_max_size=max_body_size)
-    app[ERROR_WRITER] = error_body
+    app[ERROR_WRITER] = generate.error_body
     app.add_routes(models.routes)
     app.add_routes(generate.routes)
     return app

@@ -26,7 +26,7 @@ from lockgate.plugin_api.output import Output
 from lockgate.plugin_api.request import ChatRequest
 from lockgate.plugin_api.tool_calls import ToolCall
 from lockgate.server.keys import FIELD_POLICY, MODELS, REQUEST_ID
-from lockgate.server.protocol import read_json_body
+from lockgate.server.protocol import named_message, read_json_body
 from lockgate.server.ollama_api.models import model_name, ollama_name
 from lockgate.server.serving import NDJSON, MergedDeltas, event_stream, generate, total_usage, write_frames
 
@@ -36,6 +36,12 @@ routes = web.RouteTableDef()
 def now() -> str:
     """Ollama's `created_at`: RFC 3339 in UTC."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def error_body(answer: ErrorResponse) -> dict[str, Any]:
+    """An error as Ollama writes it, whole or as a stream's last line: the
+    message alone, led by the field it names. The sub-app's error writer."""
+    return {"error": named_message(answer)}
 
 
 def line(payload: dict[str, Any]) -> bytes:
@@ -64,7 +70,7 @@ class Timing:
         if self.first is None:
             self.first = time.monotonic_ns()
 
-    def final(self, model: Model, handles: list[Handle], finish_reason: str | None) -> dict[str, Any]:
+    def final(self, handles: list[Handle], finish_reason: str | None) -> dict[str, Any]:
         end = time.monotonic_ns()
         first = self.first or end
         usage = total_usage(handles)
@@ -103,7 +109,7 @@ def _answer_for(chat_shape: bool):
             finish_reason = delta.finish_reason or finish_reason
         read: Output = parser.parse(text)
         body = piece(model, read.content, read.reasoning or "", read.calls)
-        return web.json_response({**body, **timing.final(model, handles, finish_reason)})
+        return web.json_response({**body, **timing.final(handles, finish_reason)})
 
     return answer
 
@@ -126,10 +132,10 @@ async def _stream(request, handles, model: Model, parser, timing: Timing, piece)
             if lines:
                 await write_frames(request, response, b"".join(lines))
         last = piece(model, "", "", calls)
-        await write_frames(request, response, line({**last, **timing.final(model, handles, finish_reason)}))
+        await write_frames(request, response, line({**last, **timing.final(handles, finish_reason)}))
 
     async def write_error(response: web.StreamResponse, answer: ErrorResponse) -> None:
-        await write_frames(request, response, line({"error": answer.message}))
+        await write_frames(request, response, line(error_body(answer)))
 
     return await event_stream(request, handles, write, write_error, content_type=NDJSON)
 
