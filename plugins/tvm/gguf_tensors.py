@@ -116,10 +116,7 @@ class GGUFTensors:
         `fmt` (`formats.pack_blocks`): the file's own codes and scales, so
         the values they stand for are bit-exactly those of llama.cpp's
         dequantization."""
-        tensor = self._checked(name, (rows, cols))
-        if self.tensor_type(name) != TYPE_OF_FORMAT[fmt]:
-            raise ModelLoadError(f"tensor {name!r} is {self.tensor_type(name).name}, not {fmt}")
-        return pack_blocks(tensor.data, rows, cols, fmt)
+        return self.quantized_rows(name, rows, cols, fmt, 0, rows)
 
     def quantized_rows(self, name: str, rows: int, cols: int, fmt: str, start: int, stop: int) -> dict[str, np.ndarray]:
         """Rows `start` to `stop` of `quantized(name, rows, cols, fmt)`,
