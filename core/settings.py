@@ -173,6 +173,10 @@ SETTINGS: tuple[Setting, ...] = (
             "format, whose thinking answers carry as `reasoning_content` (chat), `reasoning` items "
             "(Responses) and `thinking` blocks (Messages); `none` leaves it in the answer's text",
             default_text="from the chat template"),
+    Setting("pooling", str, None,
+            "how `/v1/embeddings` pools the final hidden states of an input's tokens: `mean`, `last` or `cls` "
+            "(the first token's); the vector is L2-normalized",
+            default_text="the file's `pooling_type`, else `mean`", choices=("mean", "last", "cls")),
     Setting("max_tool_calls", int, 16,
             "most tool calls one answer may carry: the grammar that constrains calls (`tool_choice` "
             "`required`, a named tool, and `auto` with the `generic` format) ends the list there, so a "

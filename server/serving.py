@@ -5,6 +5,9 @@ or as a stream of server-sent events, with the in-stream error tail once
 the headers are gone; the request's handles are aborted and its usage noted
 however it ends.
 
+Embeddings run on `embed`: the same pipeline, their inputs pooled instead
+of generated after.
+
 An endpoint module (`lockgate.server.openai_api.chat`, `.completions`,
 `.responses`) supplies only its protocol: how its body is typed
 (`generate`'s `parse`) and how its answer is written (`answer`), with
@@ -15,17 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 import structlog
 from aiohttp import web
 
 from lockgate.engine import Handle, Usage
 from lockgate.errors import ErrorResponse
 from lockgate.models import Model
+from lockgate.plugin_api.embeddings import EmbeddingRequest, normalized
 from lockgate.plugin_api.pipeline import run_pipeline
 from lockgate.plugin_api.request import GenerationRequest
 from lockgate.server.keys import HANDLES, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, USAGE
@@ -303,3 +309,44 @@ async def event_stream(
     finally:
         deltas.close()
     return await end_event_stream(response)
+
+
+# ------------------------------------------------------------------ embeddings
+
+#: inputs of one embeddings request in the engine at a time: a request of
+#: thousands is enqueued a window at a time, so it neither fills the
+#: engine's queue (whose limit would answer it 429) nor holds pages for
+#: inputs the engine cannot reach yet
+EMBEDDING_WINDOW = 64
+
+
+async def embed(request: web.Request, typed: EmbeddingRequest, model: Model) -> tuple[list[np.ndarray], Usage]:
+    """Serve one embeddings request up to its answer: its inputs through
+    the pipeline (`EmbeddingPrompts`, pooled as the model pools), a window
+    at a time, each pooled vector normalized; the vectors in the inputs'
+    order and the usage. Handles are aborted however it ends and the usage
+    noted for the request's log line."""
+    prompts = typed.to_prompts()
+    request[PIPELINE_REQUEST] = prompts
+    pm = request.config_dict[PLUGIN_MANAGER]
+    vectors: list[np.ndarray] = []
+    usage = Usage()
+    split = prompts.split()
+    try:
+        for start in range(0, len(split), EMBEDDING_WINDOW):
+            window = dataclasses.replace(prompts, id=prompts.id if len(split) == 1 else f"{prompts.id}-{start}",
+                                         prompts=prompts.prompts[start:start + EMBEDDING_WINDOW])
+            handles = await run_pipeline(pm, window, model, pooling=model.pooling,
+                                         truncate_to=typed.truncate_to(model.context_length))
+            try:
+                for handle in handles:
+                    async for delta in handle:
+                        if delta.embedding is not None:
+                            vectors.append(normalized(delta.embedding))
+                    usage = usage + handle.usage
+            finally:
+                for handle in handles:
+                    handle.abort()
+    finally:
+        request[USAGE] = usage
+    return vectors, usage

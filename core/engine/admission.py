@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lockgate.engine.pooling import POOLINGS
 from lockgate.engine.work import Work
 from lockgate.errors import (
     ChoicesExceedCache,
@@ -29,6 +30,8 @@ def admitted_max_tokens(engine: "Engine", work: Work) -> int:
     prompt_len = len(work.prompt_token_ids)
     if prompt_len == 0:
         raise InvalidRequestError("the prompt is empty", subject="prompt")
+    if work.pooling is not None:
+        return _admitted_pooled(engine, work)
     if params.n > engine.max_n:
         if not engine.executor.shares_prefixes:
             raise TooManyChoices(
@@ -58,7 +61,19 @@ def admitted_max_tokens(engine: "Engine", work: Work) -> int:
             f"of the model's context of {engine.context_length}",
             subject="min_tokens",
         )
+    _check_vocabulary(engine, work)
+    pages = engine.scheduler.pages_alone(prompt_len, max_tokens, params.n)
+    if pages > engine.executor.total_pages:
+        raise ChoicesExceedCache(
+            f"the request needs {pages} KV pages with n={params.n}, more than the "
+            f"server's {engine.executor.total_pages}; lower n or max_tokens"
+        )
+    return max_tokens
+
+
+def _check_vocabulary(engine: "Engine", work: Work) -> None:
     vocab_size = engine.executor.vocab_size
+    params = work.params
     for subject, tokens in (
         ("prompt", work.prompt_token_ids),
         ("logit_bias", params.logit_bias),
@@ -69,10 +84,31 @@ def admitted_max_tokens(engine: "Engine", work: Work) -> int:
                 raise TokenOutsideVocabulary(
                     f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", subject=subject
                 )
-    pages = engine.scheduler.pages_alone(prompt_len, max_tokens, params.n)
+
+
+def _admitted_pooled(engine: "Engine", work: Work) -> int:
+    """A pooled request (`Work.pooling`) generates nothing (0 tokens): its
+    prompt may fill the whole context, one choice, an executor that returns
+    hidden states."""
+    if work.pooling not in POOLINGS:
+        raise InvalidRequestError(f"pooling must be one of {', '.join(POOLINGS)}, got {work.pooling!r}")
+    if not engine.executor.can_embed:
+        raise InvalidRequestError("this model's executor cannot return hidden states, so it makes no embeddings",
+                                  subject="model")
+    if work.params.n != 1:
+        raise TooManyChoices("a pooled prompt has one answer: n must be 1")
+    prompt_len = len(work.prompt_token_ids)
+    if prompt_len > engine.context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {engine.context_length} tokens. "
+            f"However, your input is {prompt_len} tokens. Please reduce the length of the input.",
+            subject="prompt",
+        )
+    _check_vocabulary(engine, work)
+    pages = engine.scheduler.pages(prompt_len)
     if pages > engine.executor.total_pages:
         raise ChoicesExceedCache(
-            f"the request needs {pages} KV pages with n={params.n}, more than the "
-            f"server's {engine.executor.total_pages}; lower n or max_tokens"
+            f"the input needs {pages} KV pages, more than the server's {engine.executor.total_pages}",
+            subject="prompt",
         )
-    return max_tokens
+    return 0

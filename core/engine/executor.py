@@ -132,6 +132,25 @@ class Executor(abc.ABC):
         for prompt logprobs. Rows follow the chunks' order.
         """
 
+    def prefill_hidden(
+        self,
+        seq_ids: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        all_positions: Sequence[bool] | None = None,
+    ) -> np.ndarray:
+        """`prefill`, returning the model's final hidden states (after its
+        last norm, before the LM head) instead of logits: float32, shape
+        (rows, hidden size), the rows `prefill` would return. What
+        embeddings pool and a classification head scores. An executor that
+        cannot raises `NotImplementedError` (`can_embed` is then false, and
+        embedding requests are refused)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot return hidden states")
+
+    @property
+    def can_embed(self) -> bool:
+        """Whether `prefill_hidden` is implemented."""
+        return type(self).prefill_hidden is not Executor.prefill_hidden
+
     @abc.abstractmethod
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         """Append one token to each sequence (at most `max_num_seqs`) and

@@ -9,6 +9,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from lockgate.engine.sampling import TokenLogprob
 from lockgate.engine.work import Work
 
@@ -33,6 +35,9 @@ class Delta:
     #: on a choice's first delta when the request asked for prompt logprobs:
     #: one entry per prompt token, the first None (nothing comes before it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: a pooled request's (`Work.pooling`) one delta: the pooled final
+    #: hidden state, float32, not normalized
+    embedding: np.ndarray | None = None
 
 
 @dataclasses.dataclass

@@ -30,6 +30,7 @@ from lockgate.engine.delivery import Events, Outbox
 from lockgate.engine.executor import Executor
 from lockgate.engine.handle import END, Delta, EngineObserver, RequestHandle
 from lockgate.engine.options import EngineOptions
+from lockgate.engine.pooling import pooled_prefill
 from lockgate.engine.sampling import SamplingRow
 from lockgate.engine.scheduler import Scheduler
 from lockgate.engine.speculation import Drafter, SpeculationPolicy
@@ -268,6 +269,9 @@ class Engine:
             self._sample(ready, logits if rows == list(range(len(logits))) else logits[rows], events)
 
     def _run_prefill(self, chunks: list[tuple[Choice, list[int]]], events: Events) -> None:
+        chunks = pooled_prefill(self, chunks, events)  # runs the pooled requests' chunks, returns the rest
+        if not chunks:
+            return
         # chunks of prompts whose logprobs are asked for return every row
         every = [choice.request.wants_prompt_logprobs for choice, _ in chunks]
         try:
@@ -348,11 +352,8 @@ class Engine:
                     allowed = choice.matcher.allowed(logits.shape[1])
                 except Exception:
                     log.exception("grammar mask failed", request_id=choice.request.request_id)
-                    self._retire(
-                        choice.request, ERROR, InternalError("structured output failed for this request"), events
-                    )
+                    self._retire(state, ERROR, InternalError("structured output failed for this request"), events)
                     continue
-            state = choice.request
             params = state.params
             if len(choice.output_ids) < params.min_tokens:
                 allowed = self.stop_checker.held_back(allowed, params, logits.shape[1])

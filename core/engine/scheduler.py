@@ -171,7 +171,7 @@ class Scheduler:
         one's prompt that is longer than any the cache holds: admitted now,
         it would compute that prefix a second time; a step or two later, it
         forks from it (a burst of requests with one system prompt)."""
-        if self.cache is None or state.preemptions or not self.running or state.wants_prompt_logprobs:
+        if self.cache is None or state.preemptions or not self.running or state.computes_whole_prompt:
             return False
         tokens = state.prompt_array
         cached = self.cache.longest_prefix(tokens, len(tokens) - 1)
@@ -196,8 +196,8 @@ class Scheduler:
         """Give an admitted choice its KV sequence: forked from the longest
         prefix of its tokens the KV cache holds, else empty."""
         tokens = choice.tokens()
-        # prompt logprobs are computed, never read from a cached prefix
-        match = None if choice.request.wants_prompt_logprobs else self._longest_prefix(tokens)
+        # prompt logprobs and pooled positions are computed, never read from a cached prefix
+        match = None if choice.request.computes_whole_prompt else self._longest_prefix(tokens)
         choice.seq_id = next(self._seq_ids)
         if match is None:
             self.kv.add_sequence(choice.seq_id)
@@ -243,13 +243,13 @@ class Scheduler:
                     if choice.finished:
                         continue
                     pending = choice.pending_count()
-                    if pending == 1:
+                    if pending == 1 and state.pooler is None:  # a pooled prompt is never decoded
                         decode.append(choice)
                         # the token opens a page when the last one is full
                         pages += choice.kv_len % page_size == 0
                         if not state.forked:
                             pages += state.params.n - 1  # a one-token prompt forks here
-                    elif pending > 1:
+                    elif pending:
                         chunks_wanted.append(choice)
             budget -= len(decode)
             chunk_room = self.kv.prefill_chunk_size

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lockgate.engine.detokenizer import IncrementalDetokenizer
+from lockgate.engine.pooling import LAST, Pooler
 from lockgate.engine.sampling import TokenLogprob, logprobs_of, make_generator
 from lockgate.engine.speculation import DraftRecord
 
@@ -27,7 +28,8 @@ class Choice:
         self.kv_len = 0
         self.output_ids: list[int] = []
         params = request.params
-        self.detokenizer = IncrementalDetokenizer(
+        # a pooled request's choice writes no text
+        self.detokenizer = None if request.work.pooling is not None else IncrementalDetokenizer(
             tokenizer, request.prompt_ids, stop=params.stop, skip_special_tokens=params.skip_special_tokens
         )
         self._rng: np.random.Generator | None = None
@@ -101,6 +103,15 @@ class RequestState:
         )
         #: its choices' speculative drafts, proposed and accepted
         self.drafts = DraftRecord()
+        #: what folds the prompt's hidden states, for a pooled request
+        self.pooler = None if handle.work.pooling is None else Pooler(handle.work.pooling)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt position must be computed here, none of it
+        read from the prefix cache: for its prompt logprobs, or for a
+        pooling that reads every position's hidden state."""
+        return self.wants_prompt_logprobs or (self.pooler is not None and self.pooler.pooling != LAST)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

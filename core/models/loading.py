@@ -18,6 +18,7 @@ from lockgate.engine.client import conformance_problems
 from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
 from lockgate.memory import trim_allocator
 from lockgate.engine.executor import Executor, ExecutorFactory, ExecutorOptions
+from lockgate.engine.pooling import CLS, LAST, MEAN
 from lockgate.models.model_file import ModelFile
 from lockgate.models.config import ModelConfig
 from lockgate.models.families import ModelFamilies, ModelFamily
@@ -57,6 +58,8 @@ class Model:
     max_tool_calls: int = setting_default("max_tool_calls")
     #: how this model writes its thinking; None where it does not think
     reasoning_format: ReasoningFormat | None = None
+    #: how embeddings pool the final hidden states (`lockgate.engine.pooling.POOLINGS`)
+    pooling: str = MEAN
 
     @functools.cached_property
     def token_bytes(self):
@@ -83,6 +86,13 @@ class Model:
         if self.executor is not None:
             self.executor.close()
         self.engine.close()
+
+    @property
+    def can_embed(self) -> bool:
+        """Whether the executor returns hidden states (`Executor.can_embed`);
+        an engine elsewhere (no executor here) is taken to, and refuses
+        each request itself if it does not."""
+        return self.executor is None or self.executor.can_embed
 
     @property
     def vocab_size(self) -> int:
@@ -213,6 +223,7 @@ class ModelSource:
     tool_call_format: ToolCallFormat | None = None
     max_tool_calls: int = setting_default("max_tool_calls")
     reasoning_format: ReasoningFormat | None = None
+    pooling: str = MEAN
 
     def model_file(self) -> ModelFile:
         return ModelFile(path=self.path, config=self.config, family=self.family, metadata=self.metadata)
@@ -232,6 +243,7 @@ class ModelSource:
             tool_call_format=self.tool_call_format,
             max_tool_calls=self.max_tool_calls,
             reasoning_format=self.reasoning_format,
+            pooling=self.pooling,
         )
 
 
@@ -244,12 +256,14 @@ def open_model(
     tool_call_format: str | None = None,
     max_tool_calls: int = setting_default("max_tool_calls"),
     reasoning_format: str | None = None,
+    pooling: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ModelSource:
     """Find `model` (a registered name or alias, a path to a GGUF file, or
     a Hugging Face model directory) and read what serving it needs short of
     an executor: the config and its family, the tokenizer (`chat_template`
-    text overrides the model's template) and the tool-call format."""
+    text overrides the model's template), the tool-call format and the
+    embeddings' pooling (`pooling`, else the file's, else mean)."""
     from lockgate.models import hf
     from lockgate.models.gguf_metadata import GGUFMetadata
     from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
@@ -316,7 +330,19 @@ def open_model(
         tool_call_format=tool_format,
         max_tool_calls=max_tool_calls,
         reasoning_format=thinking,
+        pooling=pooling or file_pooling(metadata),
     )
+
+
+def file_pooling(metadata) -> str:
+    """The pooling a GGUF file's `{arch}.pooling_type` names (llama.cpp's
+    numbering: 1 mean, 2 cls, 3 last, 4 rank, which a decoder's rank head
+    reads at the last token), mean where it names none."""
+    if metadata is None:
+        return MEAN
+    field = metadata.fields.get(f"{metadata.fields['general.architecture'].contents()}.pooling_type")
+    kind = None if field is None else int(field.contents())
+    return {2: CLS, 3: LAST, 4: LAST}.get(kind, MEAN)
 
 
 def load_model(
@@ -331,6 +357,7 @@ def load_model(
     tool_call_format: str | None = None,
     max_tool_calls: int = setting_default("max_tool_calls"),
     reasoning_format: str | None = None,
+    pooling: str | None = None,
 ) -> Model:
     """Load `model` (a registered name or alias, or a path to a GGUF file).
 
@@ -346,7 +373,7 @@ def load_model(
     source = open_model(
         pm, model, served_name=served_name, chat_template=chat_template,
         tool_call_format=tool_call_format, max_tool_calls=max_tool_calls, reasoning_format=reasoning_format,
-        progress=executor_options.progress,
+        pooling=pooling, progress=executor_options.progress,
     )
     backend = factories[executor](source.model_file(), executor_options)
     source.metadata = None
@@ -383,6 +410,7 @@ def load_model_from_settings(pm: pluggy.PluginManager, settings, progress=None) 
         tool_call_format=settings.tool_call_format,
         max_tool_calls=settings.max_tool_calls,
         reasoning_format=settings.reasoning_format,
+        pooling=settings.pooling,
     )
 
 

@@ -47,6 +47,7 @@ KINDS = (IMPLEMENTED, ALIAS, ACCEPTED, REFUSED)
 CHAT, COMPLETIONS, RESPONSES, MESSAGES, TOKENIZE, OLLAMA_CHAT, OLLAMA_GENERATE = (
     "chat.completions", "completions", "responses", "messages", "tokenize", "ollama.chat", "ollama.generate",
 )
+EMBEDDINGS, OLLAMA_EMBED = "embeddings", "ollama.embed"
 #: each endpoint's route, for the docs and error messages
 ROUTES = {
     CHAT: "POST /v1/chat/completions",
@@ -56,6 +57,8 @@ ROUTES = {
     TOKENIZE: "POST /tokenize",
     OLLAMA_CHAT: "POST /api/chat (Ollama)",
     OLLAMA_GENERATE: "POST /api/generate (Ollama)",
+    EMBEDDINGS: "POST /v1/embeddings",
+    OLLAMA_EMBED: "POST /api/embed (Ollama)",
 }
 
 
@@ -408,12 +411,31 @@ OLLAMA_GENERATE_FIELDS = (
     refused("images", "this server reads text only", ([],), ["aGk="]),
 )
 
+EMBEDDINGS_FIELDS = (
+    implemented("model", "the served model's name", "tiny"),
+    implemented("input", "a string, an array of strings, token ids or arrays of token ids: one vector each", "Hi"),
+    implemented("encoding_format", "`float`, or `base64` (little-endian float32), as the openai SDK asks",
+                "base64"),
+    implemented("dimensions", "the model's own size only: its embeddings are not trained to be shortened", 64),
+    accepted("user", "an end-user id for abuse tracking, which this server does not track", string, "u-1"),
+)
+
+OLLAMA_EMBED_FIELDS = (
+    implemented("model", "the served model's name (with `:latest`, the model itself)", "tiny"),
+    implemented("input", "a string or an array of strings: one vector each", "Hi"),
+    implemented("truncate", "true (the default): an input past the context is cut to it; false: a 400", False),
+    implemented("dimensions", "the model's own size only: its embeddings are not trained to be shortened", 64),
+    implemented("options", "load-time options are the server's (`num_ctx` up to the model's context); sampling "
+                "options ask for nothing here; others are refused unless they ask for nothing", {"num_ctx": 64}),
+    accepted("keep_alive", "the model stays loaded for the server's life", _keep_alive, "5m"),
+)
+
 FIELDS: Mapping[str, Mapping[str, Field]] = {
     endpoint: {f.name: f for f in rows}
     for endpoint, rows in (
         (CHAT, CHAT_FIELDS), (COMPLETIONS, COMPLETIONS_FIELDS), (RESPONSES, RESPONSES_FIELDS),
         (MESSAGES, MESSAGES_FIELDS), (TOKENIZE, TOKENIZE_FIELDS), (OLLAMA_CHAT, OLLAMA_CHAT_FIELDS),
-        (OLLAMA_GENERATE, OLLAMA_GENERATE_FIELDS),
+        (OLLAMA_GENERATE, OLLAMA_GENERATE_FIELDS), (EMBEDDINGS, EMBEDDINGS_FIELDS), (OLLAMA_EMBED, OLLAMA_EMBED_FIELDS),
     )
 }
 

@@ -28,7 +28,8 @@ from typing import Any, ClassVar
 
 from lockgate.errors import InvalidRequestError, UnsupportedParameter
 from lockgate.plugin_api.body import param, read_fields
-from lockgate.plugin_api.fields import OLLAMA_CHAT, OLLAMA_GENERATE, STRICT, FieldPolicy, check_fields
+from lockgate.plugin_api.embeddings import EmbeddingRequest, embedding_inputs
+from lockgate.plugin_api.fields import OLLAMA_CHAT, OLLAMA_EMBED, OLLAMA_GENERATE, STRICT, FieldPolicy, check_fields
 from lockgate.plugin_api.readers import (
     Message,
     OutputFormat,
@@ -258,3 +259,27 @@ def parse_ollama_request(
     check_fields(endpoint, body, fields)
     cls = OllamaChatRequest if endpoint == OLLAMA_CHAT else OllamaGenerateRequest
     return cls(id=request_id, body=body, **read_fields(cls, body))
+
+
+def _embed_inputs(value: Any, where: str) -> tuple[str, ...]:
+    """`/api/embed`'s `input`: a string or an array of strings."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+        return embedding_inputs(value, where)
+    raise InvalidRequestError(f"{where} must be a string or a non-empty array of strings", param=where)
+
+
+def parse_ollama_embed(body: Mapping[str, Any], *, request_id: str, fields: FieldPolicy = STRICT) -> EmbeddingRequest:
+    """An `/api/embed` body as the embeddings request it is: its inputs cut
+    to the context (or `options.num_ctx`) unless `truncate` is false, as
+    Ollama cuts them; sampling options are read and have nothing to act on."""
+    check_fields(OLLAMA_EMBED, body, fields)
+    if body.get("input") is None:
+        raise InvalidRequestError("input is required", param="input")
+    options = read_options(body.get("options") or {}, "options")
+    return EmbeddingRequest(
+        id=request_id, body=body, model=string(body.get("model") or "", "model"),
+        inputs=_embed_inputs(body["input"], "input"),
+        truncate=boolean(body.get("truncate", True), "truncate"),
+        dimensions=None if body.get("dimensions") is None else integer(1)(body["dimensions"], "dimensions"),
+        num_ctx=options.get("num_ctx"),
+    )

@@ -27,16 +27,19 @@ log = structlog.get_logger("lockgate.pipeline")
 
 
 async def run_pipeline(
-    pm: pluggy.PluginManager, request: GenerationRequest, model: Model
+    pm: pluggy.PluginManager, request: GenerationRequest, model: Model, pooling: str | None = None,
+    truncate_to: int | None = None,
 ) -> list[Handle]:
     """Prepare and enqueue `request`.
 
     Returns one handle per prompt (a completions request may carry several;
-    handle `i` generates the choices `i * n ... i * n + n - 1`). If any step
-    raises, handles already enqueued are aborted and the exception
-    propagates.
+    handle `i` generates the choices `i * n ... i * n + n - 1`). With
+    `pooling` each prompt's hidden states are pooled instead of generated
+    after (`Work.pooling`: embeddings), and `truncate_to` cuts a longer
+    prompt to that many tokens (else one past the context is a 400). If any step raises, handles
+    already enqueued are aborted and the exception propagates.
     """
-    future = in_worker(prepare_request, pm, request, model)
+    future = in_worker(prepare_request, pm, request, model, pooling, truncate_to)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -86,7 +89,8 @@ def errors_named_for(request: GenerationRequest) -> Iterator[None]:
 
 
 def prepare_request(
-    pm: pluggy.PluginManager, request: GenerationRequest, model: Model
+    pm: pluggy.PluginManager, request: GenerationRequest, model: Model, pooling: str | None = None,
+    truncate_to: int | None = None,
 ) -> list[Handle]:
     """The pipeline itself, synchronous (runs in a worker thread).
 
@@ -100,8 +104,10 @@ def prepare_request(
         handles: list[Handle] = []
         try:
             for one in prompts:
-                ids = prompt_token_ids(pm, one, model)
-                work = Work(request_id=one.id, prompt_token_ids=ids, params=decoding.sampling(ids))
+                ids = prompt_token_ids(pm, one, model, check_length=truncate_to is None)
+                if truncate_to is not None:
+                    ids = ids[:truncate_to]
+                work = Work(request_id=one.id, prompt_token_ids=ids, params=decoding.sampling(ids), pooling=pooling)
                 handle = pm.hook.lockgate_enqueue(work=work, engine=model.engine)
                 if handle is None:
                     raise InternalError("no plugin enqueued the request")
@@ -113,14 +119,21 @@ def prepare_request(
         return handles
 
 
-def _refuse_what_cannot_fit(prompt: str, model: Model) -> None:
+def _refuse_what_cannot_fit(prompt: str, request: GenerationRequest, model: Model) -> None:
     """Refuse a prompt too long to fit the context whatever its tokens,
     before the tokenizer sees it: tokenizing a million characters costs a
     third of a second of CPU and about 25 MB of transient memory (which,
     between the allocations of requests being served, the allocator keeps),
     only to count tokens that were never going to fit."""
     fewest = -(-len(prompt) // model.longest_token_chars)
-    if fewest >= model.context_length:
+    if not request.generates and fewest > model.context_length:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {model.context_length} tokens. However, your "
+            f"{request.prompt_field} is at least {fewest} tokens ({len(prompt)} characters). Please reduce its "
+            "length.",
+            subject="prompt",
+        )
+    if request.generates and fewest >= model.context_length:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {model.context_length} tokens. However, your prompt "
             f"is at least {fewest} tokens ({len(prompt)} characters), which leaves no room for a completion. "
@@ -129,17 +142,21 @@ def _refuse_what_cannot_fit(prompt: str, model: Model) -> None:
         )
 
 
-def prompt_token_ids(pm: pluggy.PluginManager, request: GenerationRequest, model: Model) -> list[int]:
+def prompt_token_ids(pm: pluggy.PluginManager, request: GenerationRequest, model: Model,
+                     check_length: bool = True) -> list[int]:
     """The prompt of a request (one prompt of a completions request) as
     token ids: rendered (`lockgate_render_prompt`) and tokenized
-    (`lockgate_tokenize`), or as the client sent them."""
+    (`lockgate_tokenize`), or as the client sent them. `check_length`
+    refuses a text too long for the context whatever its tokens before it
+    is tokenized."""
     if isinstance(request, CompletionRequest) and isinstance(request.prompt, tuple):
         # the client sent token ids: it has done the template and tokenize steps itself
         return list(request.prompt)
     prompt = pm.hook.lockgate_render_prompt(request=request, model=model)
     if prompt is None:
         raise InternalError("no plugin rendered the prompt")
-    _refuse_what_cannot_fit(prompt, model)
+    if check_length:
+        _refuse_what_cannot_fit(prompt, request, model)
     token_ids = pm.hook.lockgate_tokenize(prompt=prompt, request=request, model=model)
     if token_ids is None:
         raise InternalError("no plugin tokenized the prompt")

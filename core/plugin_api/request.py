@@ -137,6 +137,8 @@ class GenerationRequest:
 
     #: the field that holds the prompt ("messages" or "prompt")
     prompt_field: ClassVar[str]
+    #: whether tokens are generated after the prompt (false: embeddings' inputs, pooled)
+    generates: ClassVar[bool] = True
 
     def param_for(self, subject: str) -> str:
         """The field of this request an error about `subject` names: the

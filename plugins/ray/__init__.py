@@ -81,7 +81,7 @@ def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None) -> Model:
     source = open_model(
         pm, settings.model, served_name=settings.served_model_name, chat_template=chat_template,
         tool_call_format=settings.tool_call_format, max_tool_calls=settings.max_tool_calls,
-        reasoning_format=settings.reasoning_format, progress=progress,
+        reasoning_format=settings.reasoning_format, pooling=settings.pooling, progress=progress,
     )
     source.metadata = None
     app_name = application_name(source.name)

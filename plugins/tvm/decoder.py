@@ -195,7 +195,8 @@ class DecoderForCausalLM(nn.Module):
     """The exported model.
 
     Functions (see `export_spec`): `embed(input_ids)`, `batch_prefill(embeds,
-    logit_positions, kv)`, `batch_decode(embeds, kv)`, `decode_one(embeds, kv)`,
+    positions, kv)`, `batch_prefill_hidden(embeds, positions, kv)`,
+    `batch_decode(embeds, kv)`, `decode_one(embeds, kv)`,
     and on CUDA `create_tir_paged_kv_cache(max_batch, max_total_len,
     prefill_chunk, page)`. `kv` is TVM's cache object on CUDA; on the CPU
     the pools and the step's page tables (`kv_inputs`), which
@@ -263,11 +264,25 @@ class DecoderForCausalLM(nn.Module):
         # TVM's cache object is returned to the caller; lockgate's pools were updated in place
         return (logits, kv_cache) if not self.cpu else logits
 
-    def batch_prefill(self, input_embeds: Tensor, logit_positions: Tensor, kv_cache):
+    def batch_prefill(self, input_embeds: Tensor, positions: Tensor, kv_cache):
         hidden = self._body(input_embeds, self._cache(kv_cache, prefill=True), PREFILL_ROW_TILE)
         # Only the rows whose logits are wanted go through the norm and head.
-        hidden = op.take(hidden, logit_positions, axis=1)
+        hidden = op.take(hidden, positions, axis=1)
         return self._returned(self.final_logits(hidden, 1), kv_cache)
+
+    def batch_prefill_hidden(self, input_embeds: Tensor, positions: Tensor, kv_cache):
+        """`batch_prefill`, returning the final hidden states (after the last
+        norm, float32) of the rows at `positions` instead of their logits:
+        what embeddings pool and a classification head scores."""
+        hidden = self._body(input_embeds, self._cache(kv_cache, prefill=True), PREFILL_ROW_TILE)
+        return self._returned(self.final_hidden(op.take(hidden, positions, axis=1)), kv_cache)
+
+    def final_hidden(self, hidden: Tensor) -> Tensor:
+        """float32 final hidden states: the last norm, computed in float32
+        and left there (the LM head's input)."""
+        if hidden.dtype != "float32":
+            hidden = hidden.astype("float32")
+        return op.rms_norm(hidden, self.norm.weight, axes=[-1], epsilon=self.norm.eps)
 
     def batch_decode(self, input_embeds: Tensor, kv_cache):
         hidden = self._body(input_embeds, self._cache(kv_cache, prefill=False), DECODE_ROW_TILE)
@@ -347,7 +362,12 @@ class DecoderForCausalLM(nn.Module):
             )
 
     def export_spec(self) -> dict:
-        """The `export_tvm` spec: packed parameters last, no effects."""
+        """The `export_tvm` spec: packed parameters last, no effects;
+        `batch_prefill_hidden` takes what `batch_prefill` takes."""
+        spec = self._spec()
+        return {**spec, "batch_prefill_hidden": dict(spec["batch_prefill"])}
+
+    def _spec(self) -> dict:
         hidden = self.config.hidden_size
         dtype = self.act_dtype
         packed = {"param_mode": "packed", "effect_mode": "none"}
@@ -361,7 +381,7 @@ class DecoderForCausalLM(nn.Module):
             },
             "batch_prefill": {
                 "input_embeds": nn.spec.Tensor([1, "num_tokens", hidden], dtype),
-                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                "positions": nn.spec.Tensor(["batch_size"], "int32"),
                 "kv_cache": kv,
                 "$": packed,
             },
@@ -412,7 +432,7 @@ class DecoderForCausalLM(nn.Module):
             "embed": {"input_ids": nn.spec.Tensor(["num_tokens"], "int32"), "$": packed},
             "batch_prefill": {
                 "input_embeds": nn.spec.Tensor([1, "num_tokens", hidden], dtype),
-                "logit_positions": nn.spec.Tensor(["num_logits"], "int32"),
+                "positions": nn.spec.Tensor(["num_logits"], "int32"),
                 "kv_cache": self.kv_inputs(prefill=True),
                 "$": packed,
             },

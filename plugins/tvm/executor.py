@@ -14,6 +14,7 @@ from lockgate.memory import Trimmer
 from lockgate.engine.executor import Executor, ExecutorOptions
 from lockgate.models.model_file import ModelFile
 from lockgate.plugins.tvm import runtime
+from lockgate.plugins.tvm.call_checks import PAD_ID_BASE as _PAD_ID_BASE, CallerChecks
 from lockgate.plugins.tvm.device_logits import DeviceLogits, View
 from lockgate.plugins.tvm.kv import CPUCache, TVMCache
 from lockgate.plugins.tvm.settings import TVMOptions
@@ -28,9 +29,6 @@ log = structlog.get_logger("lockgate.executor")
 #: not bound by kernel launches)
 DECODE_BUCKETS = (2, 4, 8, 16, 24, 32)
 
-#: sequence ids from here up are the executor's own padding sequences
-_PAD_ID_BASE = 1 << 62
-
 #: a prefill of at least this many tokens is followed by a trim of the C
 #: allocator (at most one a second, off the engine's thread): its
 #: activations, freed by the VM's plain CPU allocator, otherwise stay
@@ -38,8 +36,9 @@ _PAD_ID_BASE = 1 << 62
 LARGE_PREFILL_TOKENS = 128
 
 
-class TVMExecutor(Executor):
-    """Runs `embed`, `batch_prefill` and `batch_decode` of a compiled model.
+class TVMExecutor(CallerChecks, Executor):
+    """Runs `embed`, `batch_prefill`, `batch_prefill_hidden` and
+    `batch_decode` of a compiled model.
 
     Sequence lengths are mirrored on the Python side so that caller mistakes
     (unknown ids, over-long sequences, oversized chunks) are refused with
@@ -135,6 +134,7 @@ class TVMExecutor(Executor):
         self._vm = runtime.load_vm(str(self.compiled.library), self.device, "pooled" if cuda else "naive")
         self._embed = self._vm["embed"]
         self._prefill = self._vm["batch_prefill"]
+        self._prefill_hidden = self._vm["batch_prefill_hidden"]
         self._decode = self._vm["batch_decode"]
         self._decode_one = self._vm["decode_one"]
 
@@ -246,6 +246,25 @@ class TVMExecutor(Executor):
         token_ids: Sequence[Sequence[int]],
         all_positions: Sequence[bool] | None = None,
     ) -> np.ndarray:
+        out, rows = self._prefill_rows(self._prefill, seq_ids, token_ids, all_positions)
+        if self._sampler is not None:
+            return self._on_device(out, rows)
+        return out.reshape(rows, self.vocab_size)
+
+    def prefill_hidden(
+        self,
+        seq_ids: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        all_positions: Sequence[bool] | None = None,
+    ) -> np.ndarray:
+        out, rows = self._prefill_rows(self._prefill_hidden, seq_ids, token_ids, all_positions, host=True)
+        return out.reshape(rows, self.config.hidden_size)
+
+    def _prefill_rows(self, function, seq_ids, token_ids, all_positions, host: bool = False):
+        """Run the prefill-shaped `function` (`batch_prefill` or
+        `batch_prefill_hidden`) over the chunks, with the rows `prefill`
+        documents; its output (on the host when `host` or without device
+        sampling) and the number of rows."""
         self._check_open()
         ids = self._batch_ids(seq_ids)
         if len(token_ids) != len(ids):
@@ -266,21 +285,20 @@ class TVMExecutor(Executor):
         if all_positions is None or not any(all_positions):
             positions = ends - 1
         else:
-            # the positions (in the flat chunk) whose logits come back
+            # the positions (in the flat chunk) whose rows come back
             positions = np.concatenate([
                 np.arange(end - n, end, dtype=np.int32) if every else np.array([end - 1], dtype=np.int32)
                 for end, n, every in zip(ends, lengths, all_positions)
             ])
         rows = len(positions)
         positions = self._to_device(positions)
-        logits = self._forward(
-            ids, lengths, lambda kv: self._prefill(embeds.tensor, positions, kv, self._params), prefill=True
+        out = self._forward(
+            ids, lengths, lambda kv: function(embeds.tensor, positions, kv, self._params), prefill=True,
+            host=host,
         )
         if total >= LARGE_PREFILL_TOKENS and self._trimmer is not None:
             self._trimmer.after_large_work()
-        if self._sampler is not None:
-            return self._on_device(logits, rows)
-        return logits.reshape(rows, self.vocab_size)
+        return out, rows
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         self._check_open()
@@ -350,23 +368,25 @@ class TVMExecutor(Executor):
             self._trimmer.close()
         self._kv = None
         self._params = None
-        self._embed = self._prefill = self._decode = self._decode_one = None
+        self._embed = self._prefill = self._prefill_hidden = self._decode = self._decode_one = None
         self._vm = None
         self._sampler = None
         self._lengths.clear()
 
     # helpers
 
-    def _forward(self, ids: list[int], lengths: list[int], run, keep: int | None = None, prefill: bool = False):
+    def _forward(self, ids: list[int], lengths: list[int], run, keep: int | None = None, prefill: bool = False,
+                 host: bool = False):
         """Run one step over `ids` (`run(kv)` calls the compiled function
         with the cache's argument); only the first `keep` (default all) are
-        the caller's sequences, the rest padding. The logits as a host
-        array, or the device tensor itself with device sampling on."""
+        the caller's sequences, the rest padding. The output as a host
+        array, or the device tensor itself with device sampling on (unless
+        `host`)."""
         for seq_id, n in list(zip(ids, lengths))[:keep]:
             self._lengths[seq_id] += n
         out = self._kv.forward(ids, lengths, run, prefill=prefill)
         logits = out if hasattr(out, "shape") else out[0]
-        if self._sampler is not None:
+        if self._sampler is not None and not host:
             return logits
         return np.asarray(runtime.to_numpy(logits), dtype=np.float32)
 
@@ -387,53 +407,6 @@ class TVMExecutor(Executor):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the executor is closed")
-
-    @staticmethod
-    def _as_id(seq_id) -> int:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
-            raise ValueError(f"sequence ids are integers, got {seq_id!r}")
-        seq_id = int(seq_id)
-        if not 0 <= seq_id < _PAD_ID_BASE:
-            raise ValueError(f"sequence ids are in [0, 2**62), got {seq_id}")
-        return seq_id
-
-    def _known(self, seq_id) -> int:
-        seq_id = self._as_id(seq_id)
-        if seq_id not in self._lengths:
-            raise ValueError(f"unknown sequence id {seq_id}")
-        return seq_id
-
-    def _batch_ids(self, seq_ids: Sequence[int]) -> list[int]:
-        ids = [self._known(s) for s in seq_ids]
-        if not ids:
-            raise ValueError("no sequences given")
-        if len(set(ids)) != len(ids):
-            raise ValueError("a sequence id appears twice in one call")
-        if len(ids) > self.max_num_seqs:
-            raise ValueError(f"{len(ids)} sequences exceed max_num_seqs {self.max_num_seqs}")
-        return ids
-
-    def _tokens(self, tokens: Sequence[int]) -> np.ndarray:
-        array = np.asarray(tokens)
-        if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
-            raise ValueError("token ids must be a flat sequence of integers")
-        if array.size and (array.min() < 0 or array.max() >= self.vocab_size):
-            raise ValueError(f"token id out of range [0, {self.vocab_size})")
-        return array.astype(np.int32)
-
-    def _check_room(self, ids: list[int], lengths: list[int]) -> None:
-        needed = 0
-        for seq_id, n in zip(ids, lengths):
-            old = self._lengths[seq_id]
-            if old + n > self.max_sequence_length:
-                raise ValueError(
-                    f"sequence {seq_id} would grow to {old + n} tokens, over the "
-                    f"limit of {self.max_sequence_length}"
-                )
-            needed += -(-(old + n) // self.page_size) - (-(-old // self.page_size))
-        free = self.free_pages()
-        if needed > free:
-            raise ValueError(f"{needed} KV pages needed but only {free} are free")
 
 
 def create_executor(model_file: ModelFile, options: ExecutorOptions) -> TVMExecutor:

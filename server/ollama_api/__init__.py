@@ -1,6 +1,7 @@
 """Ollama's API, a sub-app at `/api` on the same serving base: `/api/version`,
 `/api/tags`, `/api/show`, `/api/ps` (`models`), `/api/chat` and
-`/api/generate` (`generate`), for the tools that speak only Ollama. The
+`/api/generate` (`generate`), `/api/embed` (`embed`), for the tools that
+speak only Ollama. The
 sub-app carries Ollama's error body (`{"error": "..."}`, the status as
 lockgate's error contract gives it) and, like `/v1`, the API key and the
 request counter. Bodies are typed by `lockgate.plugin_api.ollama`."""
@@ -11,7 +12,7 @@ from aiohttp import web
 
 from lockgate.server.keys import ERROR_WRITER
 from lockgate.server.middlewares import api_key_middleware, count_requests_middleware
-from lockgate.server.ollama_api import generate, models
+from lockgate.server.ollama_api import embed, generate, models
 
 #: where the sub-app is mounted on the root app
 PREFIX = "/api"
@@ -23,4 +24,5 @@ def ollama_app(max_body_size: int) -> web.Application:
     app[ERROR_WRITER] = generate.error_body
     app.add_routes(models.routes)
     app.add_routes(generate.routes)
+    app.add_routes(embed.routes)
     return app

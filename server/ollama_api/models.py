@@ -107,6 +107,8 @@ def capabilities(model: Model) -> list[str]:
         found.append("tools")
     if model.reasoning_format is not None:
         found.append("thinking")
+    if model.can_embed:
+        found.append("embedding")
     return found
 
 

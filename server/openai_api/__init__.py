@@ -7,6 +7,7 @@ response builder, over the serving skeleton (`lockgate.server.serving`):
   chunks; the loops that read deltas into them);
 * `responses`: `POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}` and
   the response store;
+* `embeddings`: `POST /v1/embeddings`;
 * `models`: `GET /v1/models`, `GET /v1/models/{id}`.
 
 Bodies are typed by `lockgate.plugin_api.request` (and `.responses`) before
@@ -15,7 +16,7 @@ any hook runs; these modules only speak the API's shapes.
 
 from __future__ import annotations
 
-from lockgate.server.openai_api import chat, completions, models, responses
+from lockgate.server.openai_api import chat, completions, embeddings, models, responses
 
 #: every route of the API, relative to `/v1`
-ROUTES = [*chat.routes, *completions.routes, *responses.routes, *models.routes]
+ROUTES = [*chat.routes, *completions.routes, *responses.routes, *embeddings.routes, *models.routes]

@@ -136,3 +136,28 @@ async def test_the_api_key_guards_ollamas_routes_too(tiny_model, make_ollama):
         assert (await keyed.list()).models
     finally:
         await keyed.close()
+
+
+async def test_embed_is_the_openai_embedding(tiny_model, make_ollama):
+    """`embed` through the client: one unit vector per input, the same as
+    /v1/embeddings gives; an input past the context is cut to it (Ollama's
+    `truncate`, on by default) or, with `truncate` false, a 400; `num_ctx`
+    cuts sooner."""
+    sdk, client = await make_ollama(tiny_model)
+    assert "embedding" in (await sdk.show("tiny")).capabilities
+    reply = await sdk.embed(model="tiny", input=["the cat sat", "on the mat"])
+    assert len(reply.embeddings) == 2 and reply.prompt_eval_count > 0
+    same = await client.post("/v1/embeddings", json={"model": "tiny", "input": "the cat sat"},
+                             headers={"Authorization": "Bearer x"})
+    assert reply.embeddings[0] == pytest.approx((await same.json())["data"][0]["embedding"], abs=1e-6)
+    long = "the cat sat on the mat " * 200
+    cut = await sdk.embed(model="tiny", input=long)
+    assert cut.prompt_eval_count == tiny_model.context_length
+    shorter = await sdk.embed(model="tiny", input=long, options={"num_ctx": 32})
+    assert shorter.prompt_eval_count == 32
+    with pytest.raises(ollama.ResponseError) as caught:
+        await sdk.embed(model="tiny", input=long, truncate=False)
+    assert caught.value.status_code == 400 and "input" in caught.value.error
+    with pytest.raises(ollama.ResponseError) as caught:
+        await sdk.embed(model="tiny", input="hi", dimensions=3)
+    assert caught.value.status_code == 400 and "dimensions" in caught.value.error

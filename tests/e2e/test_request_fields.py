@@ -9,14 +9,15 @@ from __future__ import annotations
 import pytest
 
 from lockgate.plugin_api.fields import (
-    ACCEPTED, ALIAS, CHAT, COMPLETIONS, FIELDS, IMPLEMENTED, MESSAGES, OLLAMA_CHAT, OLLAMA_GENERATE, REFUSED,
-    RESPONSES, TOKENIZE,
+    ACCEPTED, ALIAS, CHAT, COMPLETIONS, EMBEDDINGS, FIELDS, IMPLEMENTED, MESSAGES, OLLAMA_CHAT, OLLAMA_EMBED,
+    OLLAMA_GENERATE, REFUSED, RESPONSES, TOKENIZE,
 )
 
 ROUTES = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", RESPONSES: "/v1/responses",
-          MESSAGES: "/v1/messages", TOKENIZE: "/tokenize", OLLAMA_CHAT: "/api/chat", OLLAMA_GENERATE: "/api/generate"}
+          MESSAGES: "/v1/messages", TOKENIZE: "/tokenize", OLLAMA_CHAT: "/api/chat", OLLAMA_GENERATE: "/api/generate",
+          EMBEDDINGS: "/v1/embeddings", OLLAMA_EMBED: "/api/embed"}
 #: the endpoints whose errors are Ollama's: `{"error": "message"}`
-OLLAMA = (OLLAMA_CHAT, OLLAMA_GENERATE)
+OLLAMA = (OLLAMA_CHAT, OLLAMA_GENERATE, OLLAMA_EMBED)
 USER = [{"role": "user", "content": "Hi"}]
 BASE = {
     CHAT: {"model": "tiny", "messages": USER, "max_tokens": 2},
@@ -26,6 +27,8 @@ BASE = {
     TOKENIZE: {"model": "tiny", "messages": USER},
     OLLAMA_CHAT: {"model": "tiny", "messages": USER, "stream": False, "options": {"num_predict": 2}},
     OLLAMA_GENERATE: {"model": "tiny", "prompt": "Hi", "stream": False, "options": {"num_predict": 2}},
+    EMBEDDINGS: {"model": "tiny", "input": "Hi"},
+    OLLAMA_EMBED: {"model": "tiny", "input": "Hi"},
 }
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 #: what a field needs beside it to be valid at all

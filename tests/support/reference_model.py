@@ -45,8 +45,10 @@ def int8_activations(h: np.ndarray, block: int = 32) -> np.ndarray:
     return (q * (amax / np.float32(127))).astype(np.float64).reshape(h.shape)
 
 
-def reference_logits(path: pathlib.Path, tokens: list[int], int8: bool = False) -> np.ndarray:
-    """Logits after every token, (len(tokens), vocab), in float64; with
+def reference_logits(path: pathlib.Path, tokens: list[int], int8: bool = False, hidden: bool = False) -> np.ndarray:
+    """Logits after every token, (len(tokens), vocab), in float64 (with
+    `hidden`, the final hidden states after the last norm instead,
+    (len(tokens), hidden_size)); with
     `int8` the activations entering a quantized weight's matmul are rounded
     as lockgate's 8-bit CPU kernels round them (`int8_activations`), and keys
     and values to float16 as its KV cache holds them: a value's rounding
@@ -154,7 +156,10 @@ def reference_logits(path: pathlib.Path, tokens: list[int], int8: bool = False) 
         if gemma:
             mlp = rms(mlp, weight(p + "post_ffw_norm.weight"))
         x = x + mlp
-    logits = matmul(rms(x, weight("output_norm.weight")), head_name)
+    final = rms(x, weight("output_norm.weight"))
+    if hidden:
+        return final
+    logits = matmul(final, head_name)
     if c.final_logit_softcap:
         logits = np.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
     return logits

@@ -14,9 +14,10 @@ from lockgate.errors import UnknownParameter, UnsupportedParameter
 from lockgate.plugin_api import fields
 from lockgate.plugin_api.constraints import CONSTRAINT_FIELDS
 from lockgate.plugin_api.fields import (
-    ACCEPTED, ALIAS, CHAT, COMPLETIONS, FIELDS, IMPLEMENTED, MESSAGES, REFUSED, RESPONSES, TOKENIZE, FieldPolicy,
-    check_fields, markdown_table,
+    ACCEPTED, ALIAS, CHAT, COMPLETIONS, EMBEDDINGS, FIELDS, IMPLEMENTED, MESSAGES, OLLAMA_EMBED, REFUSED, RESPONSES,
+    TOKENIZE, FieldPolicy, check_fields, markdown_table,
 )
+from lockgate.plugin_api.embeddings import EmbeddingRequest
 from lockgate.plugin_api.hookspecs import hookimpl
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.plugin_api.messages import MessagesRequest
@@ -54,6 +55,9 @@ def read_rows(endpoint: str) -> set[str]:
     (MESSAGES, readers(MessagesRequest) | {"cache_control"}),
     (TOKENIZE, {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", "tools", "tool_choice",
                 "functions", "function_call", "chat_template_kwargs", "reasoning_effort"}),
+    (EMBEDDINGS, readers(EmbeddingRequest)),
+    # read by parse_ollama_embed itself
+    (OLLAMA_EMBED, {"model", "input", "truncate", "dimensions", "options"}),
 ])
 def test_what_the_table_says_acts_is_what_the_code_reads(endpoint, read):
     assert read_rows(endpoint) == read

@@ -1,0 +1,96 @@
+"""Record llama.cpp's embeddings of a few texts on tiny models: the
+reference `tests/e2e/test_embeddings.py` checks `/v1/embeddings` against.
+
+Run with a Python that has llama-cpp-python 0.3.36 (built once from its
+sdist, see record_family_goldens.py) and gguf:
+
+    python tests/data/record_embedding_goldens.py [OUT.json]
+
+For each case it writes the tiny GGUF with `tests/support/tiny_model.py`
+and asks `Llama(embedding=True, pooling_type=...)` for each text's
+embedding, normalized (`embed(normalize=True)`, llama.cpp's L2 norm), and
+the tokens llama.cpp made of it. The file's sha256 is recorded so a changed
+writer is caught rather than compared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import sys
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "support"))
+
+from tiny_model import write_tiny_gguf  # noqa: E402
+
+#: name: (writer overrides, pooling)
+CASES = {
+    "llama-mean": ({}, "mean"),
+    "llama-last": ({}, "last"),
+    "qwen2-cls": ({"architecture": "qwen2", "attention_bias": True}, "cls"),
+    "qwen3-last": ({"architecture": "qwen3", "qk_norm": True, "head_dim": 32, "rope_theta": 1000000.0}, "last"),
+    "gemma3-mean": ({
+        "architecture": "gemma3", "qk_norm": True, "head_dim": 32, "num_layers": 4, "sliding_window": 8,
+        "sliding_window_pattern": 2, "rope_local_theta": 10000.0, "rope_theta": 1000000.0,
+        "final_logit_softcap": 30.0,
+    }, "mean"),
+}
+
+TEXTS = [
+    "hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "a",
+    "lockgate pools the final hidden states of every token of this longer input, which spans a page or two "
+    "of the KV cache and a window of the sliding layers",
+]
+
+TENSOR_TYPE = "F16"
+SEED = 5
+
+
+def write_case(directory: pathlib.Path, name: str) -> pathlib.Path:
+    overrides, _ = CASES[name]
+    return write_tiny_gguf(directory / f"{name}.gguf", tensor_type=TENSOR_TYPE, seed=SEED, **overrides)
+
+
+def sha256(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def record(name: str, path: pathlib.Path) -> dict:
+    import llama_cpp
+
+    pooling = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "last": llama_cpp.LLAMA_POOLING_TYPE_LAST,
+               "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS}[CASES[name][1]]
+    llm = llama_cpp.Llama(model_path=str(path), embedding=True, pooling_type=pooling, n_ctx=512, n_batch=512,
+                          n_ubatch=512, n_threads=2, verbose=False)
+    return {
+        "sha256": sha256(path),
+        "pooling": CASES[name][1],
+        "tokens": [llm.tokenize(text.encode()) for text in TEXTS],
+        "embeddings": [llm.embed(text, normalize=True) for text in TEXTS],
+    }
+
+
+def main() -> None:
+    import llama_cpp
+
+    out = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "embedding_goldens.json"
+    result = {
+        "how": f"llama-cpp-python {llama_cpp.__version__} (AVX2 build), tiny {TENSOR_TYPE} models, seed {SEED}, "
+               "Llama(embedding=True, pooling_type=...).embed(text, normalize=True)",
+        "texts": TEXTS,
+        "cases": {},
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in CASES:
+            result["cases"][name] = record(name, write_case(pathlib.Path(scratch), name))
+            print(name, "recorded", file=sys.stderr)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
