@@ -40,7 +40,7 @@ from lockgate.server.middlewares import (
     set_request_id_header,
 )
 from lockgate.server import anthropic_api, ollama_api
-from lockgate.server.openai_api import ROUTES as OPENAI_ROUTES
+from lockgate.server.openai_api import ROOT_ROUTES as OPENAI_ROOT_ROUTES, ROUTES as OPENAI_ROUTES
 from lockgate.server.openai_api.responses import RESPONSE_STORE, ResponseStore
 from lockgate.server.routes import routes
 from lockgate.server.tokenizer_routes import tokenizer_routes
@@ -77,6 +77,7 @@ def create_app(
     app.on_response_prepare.append(set_replica_header)
     app.add_routes(routes)
     app.add_routes(tokenizer_routes)
+    app.add_routes(OPENAI_ROOT_ROUTES)
     # the OpenAI API: counted, and behind the API key when keys are set
     api = web.Application(
         middlewares=[count_requests_middleware, api_key_middleware], client_max_size=settings.max_body_size

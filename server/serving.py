@@ -31,7 +31,7 @@ from aiohttp import web
 from lockgate.engine import Handle, Usage
 from lockgate.errors import ErrorResponse
 from lockgate.models import Model
-from lockgate.plugin_api.embeddings import EmbeddingRequest, normalized
+from lockgate.plugin_api.embeddings import EmbeddingPrompts, EmbeddingRequest, normalized
 from lockgate.plugin_api.pipeline import run_pipeline
 from lockgate.plugin_api.request import GenerationRequest
 from lockgate.server.keys import HANDLES, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, USAGE
@@ -320,29 +320,28 @@ async def event_stream(
 EMBEDDING_WINDOW = 64
 
 
-async def embed(request: web.Request, typed: EmbeddingRequest, model: Model) -> tuple[list[np.ndarray], Usage]:
-    """Serve one embeddings request up to its answer: its inputs through
-    the pipeline (`EmbeddingPrompts`, pooled as the model pools), a window
-    at a time, each pooled vector normalized; the vectors in the inputs'
+async def pooled(request: web.Request, prompts: EmbeddingPrompts, model: Model, pooling: str,
+                 truncate_to: int | None = None) -> tuple[list[np.ndarray], Usage]:
+    """Serve the prompts of an embeddings or rerank request up to their
+    answer: through the pipeline, a window at a time, each prompt's final
+    hidden states pooled (`pooling`); the pooled vectors in the prompts'
     order and the usage. Handles are aborted however it ends and the usage
     noted for the request's log line."""
-    prompts = typed.to_prompts()
     request[PIPELINE_REQUEST] = prompts
     pm = request.config_dict[PLUGIN_MANAGER]
     vectors: list[np.ndarray] = []
     usage = Usage()
-    split = prompts.split()
+    count = len(prompts.prompts)
     try:
-        for start in range(0, len(split), EMBEDDING_WINDOW):
-            window = dataclasses.replace(prompts, id=prompts.id if len(split) == 1 else f"{prompts.id}-{start}",
+        for start in range(0, count, EMBEDDING_WINDOW):
+            window = dataclasses.replace(prompts, id=prompts.id if count == 1 else f"{prompts.id}-{start}",
                                          prompts=prompts.prompts[start:start + EMBEDDING_WINDOW])
-            handles = await run_pipeline(pm, window, model, pooling=model.pooling,
-                                         truncate_to=typed.truncate_to(model.context_length))
+            handles = await run_pipeline(pm, window, model, pooling=pooling, truncate_to=truncate_to)
             try:
                 for handle in handles:
                     async for delta in handle:
                         if delta.embedding is not None:
-                            vectors.append(normalized(delta.embedding))
+                            vectors.append(delta.embedding)
                     usage = usage + handle.usage
             finally:
                 for handle in handles:
@@ -350,3 +349,11 @@ async def embed(request: web.Request, typed: EmbeddingRequest, model: Model) -> 
     finally:
         request[USAGE] = usage
     return vectors, usage
+
+
+async def embed(request: web.Request, typed: EmbeddingRequest, model: Model) -> tuple[list[np.ndarray], Usage]:
+    """An embeddings request's vectors (pooled as the model pools,
+    normalized) and usage."""
+    vectors, usage = await pooled(request, typed.to_prompts(), model, model.pooling,
+                                  typed.truncate_to(model.context_length))
+    return [normalized(v) for v in vectors], usage

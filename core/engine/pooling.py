@@ -26,6 +26,18 @@ if TYPE_CHECKING:
 MEAN, LAST, CLS = "mean", "last", "cls"
 POOLINGS = (MEAN, LAST, CLS)
 
+
+def file_pooling(metadata) -> str:
+    """The pooling a GGUF file's `{arch}.pooling_type` names (llama.cpp's
+    numbering: 1 mean, 2 cls, 3 last, 4 rank, which a decoder's rank head
+    reads at the last token), mean where it names none."""
+    if metadata is None:
+        return MEAN
+    field = metadata.fields.get(f"{metadata.fields['general.architecture'].contents()}.pooling_type")
+    kind = None if field is None else int(field.contents())
+    return {2: CLS, 3: LAST, 4: LAST}.get(kind, MEAN)
+
+
 #: the finish reason of a pooled request's delta (nothing was generated)
 POOLED = "stop"
 

@@ -18,12 +18,13 @@ from lockgate.engine.client import conformance_problems
 from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
 from lockgate.memory import trim_allocator
 from lockgate.engine.executor import Executor, ExecutorFactory, ExecutorOptions
-from lockgate.engine.pooling import CLS, LAST, MEAN
+from lockgate.engine.pooling import MEAN, file_pooling
 from lockgate.models.model_file import ModelFile
 from lockgate.models.config import ModelConfig
 from lockgate.models.families import ModelFamilies, ModelFamily
 from lockgate.models.gguf_metadata import GGUFMetadata
 from lockgate.plugin_api.reasoning import ReasoningFormat, choose_reasoning_format
+from lockgate.plugin_api.rerank import RankHead, read_rank_head
 from lockgate.plugin_api.tool_calls import ToolCallFormat, chat_template_for, choose_tool_call_format
 from lockgate.settings import setting_default
 
@@ -60,6 +61,10 @@ class Model:
     reasoning_format: ReasoningFormat | None = None
     #: how embeddings pool the final hidden states (`lockgate.engine.pooling.POOLINGS`)
     pooling: str = MEAN
+    #: a reranker's classification head (`lockgate.plugin_api.rerank`); None: not a reranker
+    rank_head: RankHead | None = None
+    #: the file's rerank template (`tokenizer.chat_template.rerank`), `{query}` and `{document}` in it
+    rerank_template: str | None = None
 
     @functools.cached_property
     def token_bytes(self):
@@ -224,6 +229,8 @@ class ModelSource:
     max_tool_calls: int = setting_default("max_tool_calls")
     reasoning_format: ReasoningFormat | None = None
     pooling: str = MEAN
+    rank_head: RankHead | None = None
+    rerank_template: str | None = None
 
     def model_file(self) -> ModelFile:
         return ModelFile(path=self.path, config=self.config, family=self.family, metadata=self.metadata)
@@ -244,6 +251,8 @@ class ModelSource:
             max_tool_calls=self.max_tool_calls,
             reasoning_format=self.reasoning_format,
             pooling=self.pooling,
+            rank_head=self.rank_head,
+            rerank_template=self.rerank_template,
         )
 
 
@@ -331,18 +340,10 @@ def open_model(
         max_tool_calls=max_tool_calls,
         reasoning_format=thinking,
         pooling=pooling or file_pooling(metadata),
+        rank_head=read_rank_head(path, metadata),
+        rerank_template=None if metadata is None or "tokenizer.chat_template.rerank" not in metadata.fields
+        else str(metadata.fields["tokenizer.chat_template.rerank"].contents()),
     )
-
-
-def file_pooling(metadata) -> str:
-    """The pooling a GGUF file's `{arch}.pooling_type` names (llama.cpp's
-    numbering: 1 mean, 2 cls, 3 last, 4 rank, which a decoder's rank head
-    reads at the last token), mean where it names none."""
-    if metadata is None:
-        return MEAN
-    field = metadata.fields.get(f"{metadata.fields['general.architecture'].contents()}.pooling_type")
-    kind = None if field is None else int(field.contents())
-    return {2: CLS, 3: LAST, 4: LAST}.get(kind, MEAN)
 
 
 def load_model(

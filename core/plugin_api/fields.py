@@ -47,7 +47,7 @@ KINDS = (IMPLEMENTED, ALIAS, ACCEPTED, REFUSED)
 CHAT, COMPLETIONS, RESPONSES, MESSAGES, TOKENIZE, OLLAMA_CHAT, OLLAMA_GENERATE = (
     "chat.completions", "completions", "responses", "messages", "tokenize", "ollama.chat", "ollama.generate",
 )
-EMBEDDINGS, OLLAMA_EMBED = "embeddings", "ollama.embed"
+EMBEDDINGS, OLLAMA_EMBED, RERANK, SCORE = "embeddings", "ollama.embed", "rerank", "score"
 #: each endpoint's route, for the docs and error messages
 ROUTES = {
     CHAT: "POST /v1/chat/completions",
@@ -59,6 +59,8 @@ ROUTES = {
     OLLAMA_GENERATE: "POST /api/generate (Ollama)",
     EMBEDDINGS: "POST /v1/embeddings",
     OLLAMA_EMBED: "POST /api/embed (Ollama)",
+    RERANK: "POST /rerank (and /v1/rerank)",
+    SCORE: "POST /v1/score (and /score)",
 }
 
 
@@ -430,12 +432,27 @@ OLLAMA_EMBED_FIELDS = (
     accepted("keep_alive", "the model stays loaded for the server's life", _keep_alive, "5m"),
 )
 
+RERANK_FIELDS = (
+    implemented("model", "the served model's name (a reranker: a file with a classification head)", "tiny"),
+    implemented("query", "what the documents are ranked against", "Hi"),
+    implemented("documents", "strings or `{\"text\": ...}` objects, one score each", ["a", "b"]),
+    implemented("top_n", "only the best this many, best first", 1),
+    implemented("return_documents", "each result carries its document (true unless false)", False),
+)
+
+SCORE_FIELDS = (
+    implemented("model", "the served model's name (a reranker: a file with a classification head)", "tiny"),
+    implemented("text_1", "a text scored against each of text_2, or a list paired with text_2's", "Hi"),
+    implemented("text_2", "a text or a list of texts", ["a", "b"]),
+)
+
 FIELDS: Mapping[str, Mapping[str, Field]] = {
     endpoint: {f.name: f for f in rows}
     for endpoint, rows in (
         (CHAT, CHAT_FIELDS), (COMPLETIONS, COMPLETIONS_FIELDS), (RESPONSES, RESPONSES_FIELDS),
         (MESSAGES, MESSAGES_FIELDS), (TOKENIZE, TOKENIZE_FIELDS), (OLLAMA_CHAT, OLLAMA_CHAT_FIELDS),
         (OLLAMA_GENERATE, OLLAMA_GENERATE_FIELDS), (EMBEDDINGS, EMBEDDINGS_FIELDS), (OLLAMA_EMBED, OLLAMA_EMBED_FIELDS),
+        (RERANK, RERANK_FIELDS), (SCORE, SCORE_FIELDS),
     )
 }
 

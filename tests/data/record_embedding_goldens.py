@@ -47,12 +47,24 @@ TEXTS = [
     "of the KV cache and a window of the sliding layers",
 ]
 
+#: rerankers: Qwen3 with a two-label classification head, with the file's
+#: rerank template and without; name: (writer overrides, [(query, documents)])
+QWEN3 = {"architecture": "qwen3", "qk_norm": True, "head_dim": 32, "rope_theta": 1000000.0,
+         "classifier_labels": ["yes", "no"]}
+RERANK_TEMPLATE = "<|im_start|>system\nJudge the document.<|im_end|>\n<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
+RERANK_CASES = {
+    "qwen3-rerank-template": dict(QWEN3, rerank_template=RERANK_TEMPLATE),
+    "qwen3-rerank-plain": QWEN3,
+}
+QUERY = "what do cats eat?"
+DOCUMENTS = ["Cats eat fish and meat.", "The stock market fell today.", "a", "Kittens drink milk, cats eat mice."]
+
 TENSOR_TYPE = "F16"
 SEED = 5
 
 
 def write_case(directory: pathlib.Path, name: str) -> pathlib.Path:
-    overrides, _ = CASES[name]
+    overrides = RERANK_CASES[name] if name in RERANK_CASES else CASES[name][0]
     return write_tiny_gguf(directory / f"{name}.gguf", tensor_type=TENSOR_TYPE, seed=SEED, **overrides)
 
 
@@ -75,6 +87,36 @@ def record(name: str, path: pathlib.Path) -> dict:
     }
 
 
+def record_rerank(name: str, path: pathlib.Path) -> dict:
+    """Each (QUERY, document) pair's prompt as llama.cpp's server builds it
+    (format_prompt_rerank: the file's rerank template with special tokens
+    parsed, else the query's and the document's tokens with BOS/EOS/SEP
+    where the vocabulary adds them, none in the tiny one) and llama.cpp's
+    rank pooling of it: the classification head's outputs (softmax over the
+    labels for Qwen3); the score is the first."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK,
+                          n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
+    labels = llama_cpp.llama_model_n_cls_out(llm._model.model)
+    template = RERANK_CASES[name].get("rerank_template")
+    prompts, outputs = [], []
+    for document in DOCUMENTS:
+        if template:
+            text = template.replace("{query}", QUERY).replace("{document}", document)
+            tokens = llm.tokenize(text.encode(), add_bos=False, special=True)
+        else:
+            tokens = llm.tokenize(QUERY.encode(), add_bos=False) + llm.tokenize(document.encode(), add_bos=False)
+        llm._ctx.kv_cache_clear()
+        llm._batch.reset()
+        llm._batch.add_sequence(tokens, 0, False)
+        llm._ctx.decode(llm._batch)
+        pointer = llama_cpp.llama_get_embeddings_seq(llm._ctx.ctx, 0)
+        prompts.append(tokens)
+        outputs.append([float(pointer[i]) for i in range(labels)])
+    return {"sha256": sha256(path), "prompts": prompts, "outputs": outputs, "scores": [o[0] for o in outputs]}
+
+
 def main() -> None:
     import llama_cpp
 
@@ -88,6 +130,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for name in CASES:
             result["cases"][name] = record(name, write_case(pathlib.Path(scratch), name))
+            print(name, "recorded", file=sys.stderr)
+        result["rerank"] = {"query": QUERY, "documents": DOCUMENTS, "cases": {}}
+        for name in RERANK_CASES:
+            result["rerank"]["cases"][name] = record_rerank(name, write_case(pathlib.Path(scratch), name))
             print(name, "recorded", file=sys.stderr)
     out.write_text(json.dumps(result, indent=1) + "\n")
 

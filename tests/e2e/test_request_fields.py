@@ -10,12 +10,12 @@ import pytest
 
 from lockgate.plugin_api.fields import (
     ACCEPTED, ALIAS, CHAT, COMPLETIONS, EMBEDDINGS, FIELDS, IMPLEMENTED, MESSAGES, OLLAMA_CHAT, OLLAMA_EMBED,
-    OLLAMA_GENERATE, REFUSED, RESPONSES, TOKENIZE,
+    OLLAMA_GENERATE, REFUSED, RERANK, RESPONSES, SCORE, TOKENIZE,
 )
 
 ROUTES = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions", RESPONSES: "/v1/responses",
           MESSAGES: "/v1/messages", TOKENIZE: "/tokenize", OLLAMA_CHAT: "/api/chat", OLLAMA_GENERATE: "/api/generate",
-          EMBEDDINGS: "/v1/embeddings", OLLAMA_EMBED: "/api/embed"}
+          EMBEDDINGS: "/v1/embeddings", OLLAMA_EMBED: "/api/embed", RERANK: "/v1/rerank", SCORE: "/v1/score"}
 #: the endpoints whose errors are Ollama's: `{"error": "message"}`
 OLLAMA = (OLLAMA_CHAT, OLLAMA_GENERATE, OLLAMA_EMBED)
 USER = [{"role": "user", "content": "Hi"}]
@@ -29,6 +29,8 @@ BASE = {
     OLLAMA_GENERATE: {"model": "tiny", "prompt": "Hi", "stream": False, "options": {"num_predict": 2}},
     EMBEDDINGS: {"model": "tiny", "input": "Hi"},
     OLLAMA_EMBED: {"model": "tiny", "input": "Hi"},
+    RERANK: {"model": "tiny", "query": "Hi", "documents": ["a"]},
+    SCORE: {"model": "tiny", "text_1": "Hi", "text_2": "a"},
 }
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 #: what a field needs beside it to be valid at all
@@ -51,6 +53,9 @@ ENDPOINT_COMPANIONS = {
 ACTING = {
     # a response id that was never stored: looked up, and not found
     (RESPONSES, "previous_response_id"): 404,
+    # the tiny model is no reranker: the body passes its table, then the
+    # model is refused (tests/e2e/test_rerank.py sends these to rerankers)
+    **{(endpoint, name): 400 for endpoint in (RERANK, SCORE) for name in FIELDS[endpoint]},
 }
 
 

@@ -81,6 +81,11 @@ FAMILY_DEFAULTS = {
     "sliding_window_pattern": None,
     "rope_local_theta": None,
     "final_logit_softcap": 0.0,
+    #: a classification head's labels: `cls.output.weight` (a row each) and
+    #: rank pooling, as llama.cpp's converter writes a reranker (Qwen3-Reranker)
+    "classifier_labels": None,
+    #: `tokenizer.chat_template.rerank`: a reranker's pair prompt, `{query}` and `{document}` in it
+    "rerank_template": None,
 }
 
 #: the architectures whose Q/K rows llama.cpp's converter permutes
@@ -242,6 +247,9 @@ def write_model_gguf(
         writer.add_float32(f"{arch}.rope.freq_base_swa", cfg["rope_local_theta"])
     if cfg["final_logit_softcap"]:
         writer.add_float32(f"{arch}.final_logit_softcapping", cfg["final_logit_softcap"])
+    if cfg["classifier_labels"]:
+        writer.add_array(f"{arch}.classifier.output_labels", list(cfg["classifier_labels"]))
+        writer.add_uint32(f"{arch}.pooling_type", 4)  # llama.cpp's LLAMA_POOLING_TYPE_RANK
     writer.add_add_space_prefix(False)
     writer.add_add_bos_token(False)
     writer.add_tokenizer_model("gpt2")
@@ -254,6 +262,8 @@ def write_model_gguf(
     writer.add_unk_token_id(0)
     writer.add_pad_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
+    if cfg["rerank_template"]:
+        writer.add_string("tokenizer.chat_template.rerank", cfg["rerank_template"])
 
     types = tensor_types or {}
 
@@ -303,6 +313,8 @@ def write_model_gguf(
     add_norm("output_norm.weight")
     if not cfg["tie_word_embeddings"]:
         add("output.weight", weights.embedding(vocab, hidden))
+    if cfg["classifier_labels"]:
+        add("cls.output.weight", weights.embedding(len(cfg["classifier_labels"]), hidden))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

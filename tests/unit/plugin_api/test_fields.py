@@ -18,6 +18,7 @@ from lockgate.plugin_api.fields import (
     TOKENIZE, FieldPolicy, check_fields, markdown_table,
 )
 from lockgate.plugin_api.embeddings import EmbeddingRequest
+from lockgate.plugin_api.rerank import RerankRequest, ScoreRequest
 from lockgate.plugin_api.hookspecs import hookimpl
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.plugin_api.messages import MessagesRequest
@@ -58,6 +59,8 @@ def read_rows(endpoint: str) -> set[str]:
     (EMBEDDINGS, readers(EmbeddingRequest)),
     # read by parse_ollama_embed itself
     (OLLAMA_EMBED, {"model", "input", "truncate", "dimensions", "options"}),
+    (fields.RERANK, readers(RerankRequest)),
+    (fields.SCORE, readers(ScoreRequest)),
 ])
 def test_what_the_table_says_acts_is_what_the_code_reads(endpoint, read):
     assert read_rows(endpoint) == read
