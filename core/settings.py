@@ -177,6 +177,14 @@ SETTINGS: tuple[Setting, ...] = (
             "how `/v1/embeddings` pools the final hidden states of an input's tokens: `mean`, `last` or `cls` "
             "(the first token's); the vector is L2-normalized",
             default_text="the file's `pooling_type`, else `mean`", choices=("mean", "last", "cls")),
+    Setting("rerank_tokens", str, (),
+            "serve a relevance-generation reranker: the tokens whose logits at a pair's last position score it, "
+            "the relevant one first, a softmax over them (Qwen3-Reranker: `yes,no`); by default a file's "
+            "classification head (`cls.output.weight`) makes a reranker",
+            is_list=True, metavar="T[,T2]"),
+    Setting("rerank_template", Path, None,
+            "file of a reranker's pair prompt, `{query}` and `{document}` in it, replacing the file's "
+            "`tokenizer.chat_template.rerank`"),
     Setting("max_tool_calls", int, 16,
             "most tool calls one answer may carry: the grammar that constrains calls (`tool_choice` "
             "`required`, a named tool, and `auto` with the `generic` format) ends the list there, so a "

@@ -52,6 +52,11 @@ class Pooler:
         self._sum: np.ndarray | None = None
         self._rows = 0
 
+    def reset(self) -> None:
+        """Forget what was folded: the prompt is computed again (the request
+        was preempted)."""
+        self._sum, self._rows = None, 0
+
     @property
     def every_row(self) -> bool:
         """Whether a chunk's every row is read (mean, and the first

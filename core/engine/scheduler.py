@@ -319,6 +319,8 @@ class Scheduler:
         for choice in state.choices:
             self._keep_or_free(choice)
             choice.kv_len = 0
+        if state.pooler is not None:
+            state.pooler.reset()  # its prompt is computed again from the start
         state.preemptions += 1
         self.preemptions += 1
         self.on_preempt()

@@ -24,7 +24,7 @@ from lockgate.models.config import ModelConfig
 from lockgate.models.families import ModelFamilies, ModelFamily
 from lockgate.models.gguf_metadata import GGUFMetadata
 from lockgate.plugin_api.reasoning import ReasoningFormat, choose_reasoning_format
-from lockgate.plugin_api.rerank import RankHead, read_rank_head
+from lockgate.plugin_api.rerank import RankHead, file_rerank_template, read_rank_head
 from lockgate.plugin_api.tool_calls import ToolCallFormat, chat_template_for, choose_tool_call_format
 from lockgate.settings import setting_default
 
@@ -266,13 +266,16 @@ def open_model(
     max_tool_calls: int = setting_default("max_tool_calls"),
     reasoning_format: str | None = None,
     pooling: str | None = None,
+    rerank_tokens: tuple[str, ...] = (),
+    rerank_template: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ModelSource:
     """Find `model` (a registered name or alias, a path to a GGUF file, or
     a Hugging Face model directory) and read what serving it needs short of
     an executor: the config and its family, the tokenizer (`chat_template`
     text overrides the model's template), the tool-call format and the
-    embeddings' pooling (`pooling`, else the file's, else mean)."""
+    embeddings' pooling (`pooling`, else the file's, else mean), and a
+    reranker's head and pair template (`lockgate.plugin_api.rerank`)."""
     from lockgate.models import hf
     from lockgate.models.gguf_metadata import GGUFMetadata
     from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
@@ -340,9 +343,8 @@ def open_model(
         max_tool_calls=max_tool_calls,
         reasoning_format=thinking,
         pooling=pooling or file_pooling(metadata),
-        rank_head=read_rank_head(path, metadata),
-        rerank_template=None if metadata is None or "tokenizer.chat_template.rerank" not in metadata.fields
-        else str(metadata.fields["tokenizer.chat_template.rerank"].contents()),
+        rank_head=read_rank_head(path, metadata, tokenizer, rerank_tokens, config.final_logit_softcap),
+        rerank_template=rerank_template or file_rerank_template(metadata),
     )
 
 
@@ -351,31 +353,23 @@ def load_model(
     model: str,
     *,
     executor: str = "tvm",
-    served_name: str | None = None,
-    chat_template: str | None = None,
     executor_options: ExecutorOptions = ExecutorOptions(),
     engine_options: EngineOptions = EngineOptions(),
-    tool_call_format: str | None = None,
-    max_tool_calls: int = setting_default("max_tool_calls"),
-    reasoning_format: str | None = None,
-    pooling: str | None = None,
+    **source_options: Any,
 ) -> Model:
     """Load `model` (a registered name or alias, or a path to a GGUF file).
 
-    Builds the tokenizer from the file's metadata (`chat_template` text
-    overrides the file's template), compiles or loads the executor, and
-    creates the engine (not yet started).
+    Reads it as `open_model` does, given `source_options` (`served_name`,
+    `chat_template` text overriding the file's template, `pooling`, ...),
+    compiles or loads the executor, and creates the engine (not yet
+    started).
     """
     factories = registered_executors(pm)
     if executor not in factories:
         raise ModelLoadError(
             f"no executor named {executor!r}; registered: {', '.join(sorted(factories)) or 'none'}"
         )
-    source = open_model(
-        pm, model, served_name=served_name, chat_template=chat_template,
-        tool_call_format=tool_call_format, max_tool_calls=max_tool_calls, reasoning_format=reasoning_format,
-        pooling=pooling, progress=executor_options.progress,
-    )
+    source = open_model(pm, model, progress=executor_options.progress, **source_options)
     backend = factories[executor](source.model_file(), executor_options)
     source.metadata = None
     problems = conformance_problems(backend, Executor)
@@ -412,6 +406,8 @@ def load_model_from_settings(pm: pluggy.PluginManager, settings, progress=None) 
         max_tool_calls=settings.max_tool_calls,
         reasoning_format=settings.reasoning_format,
         pooling=settings.pooling,
+        rerank_tokens=settings.rerank_tokens,
+        rerank_template=None if settings.rerank_template is None else settings.rerank_template.read_text(),
     )
 
 

@@ -4,7 +4,9 @@
 
 A reranker here is a model whose file carries a classification head
 (`cls.output.weight`, a row per label, as llama.cpp's converter writes
-Qwen3-Reranker; `RankHead`). Each (query, document) pair becomes one prompt
+Qwen3-Reranker; `RankHead`), or a relevance-generation reranker named by
+`--rerank-tokens` (the LM head's rows of those tokens: Qwen3-Reranker's
+`yes,no` in a file converted without a head). Each (query, document) pair becomes one prompt
 as llama.cpp's server builds it (`pair_token_ids`): the file's rerank
 template (`tokenizer.chat_template.rerank`, `{query}` and `{document}`
 replaced) or else BOS, query, EOS, SEP, document, EOS where the vocabulary
@@ -41,6 +43,8 @@ class RankHead:
     weight: np.ndarray
     bias: np.ndarray | None = None
     softmax: bool = False
+    #: the model's final logit soft-cap (Gemma), applied to LM-head rows' outputs
+    softcap: float = 0.0
 
     def score(self, hidden: np.ndarray) -> float:
         """The relevance the head gives a pooled hidden state: its first
@@ -48,33 +52,64 @@ class RankHead:
         out = self.weight.astype(np.float64) @ np.asarray(hidden, dtype=np.float64)
         if self.bias is not None:
             out = out + self.bias
+        if self.softcap:
+            out = np.tanh(out / self.softcap) * self.softcap
         if self.softmax:
             out = np.exp(out - out.max())
             out = out / out.sum()
         return float(out[0])
 
 
-def read_rank_head(path, metadata) -> RankHead | None:
-    """The classification head of a GGUF file (`cls.output.weight`, with
-    `cls.output.bias` where there is one), None where it has none."""
-    if metadata is None or not any(t.name == "cls.output.weight" for t in metadata.tensors):
+def read_rank_head(path, metadata, tokenizer=None, tokens: tuple[str, ...] = (),
+                   softcap: float = 0.0) -> RankHead | None:
+    """The rank head of a GGUF file: with `tokens` (a relevance-generation
+    reranker, `--rerank-tokens`), the LM head's rows of those tokens, the
+    relevant one first, a softmax over them (Qwen3-Reranker's yes/no);
+    else its classification head (`cls.output.weight`, with
+    `cls.output.bias` where there is one); None where it has neither."""
+    if metadata is None:
+        return None
+    names = {t.name for t in metadata.tensors}
+    if not tokens and "cls.output.weight" not in names:
         return None
     import gguf
 
     reader = gguf.GGUFReader(path)
-    tensors = {t.name: t for t in reader.tensors if t.name.startswith("cls.output.")}
+    by_name = {t.name: t for t in reader.tensors}
 
-    def read(name: str) -> np.ndarray | None:
-        t = tensors.get(name)
+    def read(name: str, rows: list[int] | None = None) -> np.ndarray | None:
+        t = by_name.get(name)
         if t is None:
             return None
-        shape = tuple(reversed([int(d) for d in t.shape]))
-        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            return np.asarray(t.data, dtype=np.float32).reshape(shape)
-        return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+        width = int(t.shape[0])
+        data = t.data if rows is None else t.data[rows]  # a row of blocks per output
+        if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            data = gguf.quants.dequantize(data, t.tensor_type)
+        return np.asarray(data, dtype=np.float32).reshape(-1, width) if len(t.shape) > 1 else \
+            np.asarray(data, dtype=np.float32).reshape(-1)
 
+    if tokens:
+        ids = [_single_token(tokenizer, token) for token in tokens]
+        head = "output.weight" if "output.weight" in by_name else "token_embd.weight"
+        return RankHead(read(head, ids), None, softmax=True, softcap=softcap)
     arch = metadata.fields["general.architecture"].contents()
     return RankHead(read("cls.output.weight"), read("cls.output.bias"), softmax=arch in SOFTMAX_HEADS)
+
+
+def _single_token(tokenizer, token: str) -> int:
+    """The id of `token`, which must be one token of the vocabulary."""
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        from lockgate.errors import ModelLoadError
+
+        raise ModelLoadError(f"--rerank-tokens: {token!r} is {len(ids)} tokens of this vocabulary, not one")
+    return ids[0]
+
+
+def file_rerank_template(metadata) -> str | None:
+    """A GGUF file's rerank template (`tokenizer.chat_template.rerank`)."""
+    field = None if metadata is None else metadata.fields.get("tokenizer.chat_template.rerank")
+    return None if field is None else str(field.contents())
 
 
 def pair_token_ids(tokenizer, template: str | None, query: str, document: str) -> list[int]:

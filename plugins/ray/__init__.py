@@ -82,6 +82,8 @@ def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None) -> Model:
         pm, settings.model, served_name=settings.served_model_name, chat_template=chat_template,
         tool_call_format=settings.tool_call_format, max_tool_calls=settings.max_tool_calls,
         reasoning_format=settings.reasoning_format, pooling=settings.pooling, progress=progress,
+        rerank_tokens=settings.rerank_tokens,
+        rerank_template=None if settings.rerank_template is None else settings.rerank_template.read_text(),
     )
     source.metadata = None
     app_name = application_name(source.name)

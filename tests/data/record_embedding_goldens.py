@@ -21,6 +21,8 @@ import pathlib
 import sys
 import tempfile
 
+import numpy as np
+
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "support"))
 
@@ -55,7 +57,13 @@ RERANK_TEMPLATE = "<|im_start|>system\nJudge the document.<|im_end|>\n<|im_start
 RERANK_CASES = {
     "qwen3-rerank-template": dict(QWEN3, rerank_template=RERANK_TEMPLATE),
     "qwen3-rerank-plain": QWEN3,
+    # a relevance-generation reranker: no head, the logits of two tokens
+    # (`--rerank-tokens`; Qwen3-Reranker's are yes,no, which the tiny
+    # vocabulary spells in more than one token)
+    "qwen3-rerank-tokens": {k: v for k, v in QWEN3.items() if k != "classifier_labels"},
 }
+#: the scoring tokens of a relevance-generation case, the relevant one first
+RERANK_TOKENS = {"qwen3-rerank-tokens": ("a", "b")}
 QUERY = "what do cats eat?"
 DOCUMENTS = ["Cats eat fish and meat.", "The stock market fell today.", "a", "Kittens drink milk, cats eat mice."]
 
@@ -96,6 +104,8 @@ def record_rerank(name: str, path: pathlib.Path) -> dict:
     labels for Qwen3); the score is the first."""
     import llama_cpp
 
+    if name in RERANK_TOKENS:
+        return record_generation_rerank(name, path)
     llm = llama_cpp.Llama(model_path=str(path), embedding=True, pooling_type=llama_cpp.LLAMA_POOLING_TYPE_RANK,
                           n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, verbose=False)
     labels = llama_cpp.llama_model_n_cls_out(llm._model.model)
@@ -115,6 +125,29 @@ def record_rerank(name: str, path: pathlib.Path) -> dict:
         prompts.append(tokens)
         outputs.append([float(pointer[i]) for i in range(labels)])
     return {"sha256": sha256(path), "prompts": prompts, "outputs": outputs, "scores": [o[0] for o in outputs]}
+
+
+def record_generation_rerank(name: str, path: pathlib.Path) -> dict:
+    """A relevance-generation reranker: each pair (QUERY + document, as the
+    plain case builds it) evaluated, the softmax over its scoring tokens'
+    logits at the last position; the score is the first."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, n_threads=2, logits_all=True,
+                          verbose=False)
+    ids = [llm.tokenize(token.encode(), add_bos=False) for token in RERANK_TOKENS[name]]
+    assert all(len(i) == 1 for i in ids), ids
+    prompts, outputs = [], []
+    for document in DOCUMENTS:
+        tokens = llm.tokenize(QUERY.encode(), add_bos=False) + llm.tokenize(document.encode(), add_bos=False)
+        llm.reset()
+        llm.eval(tokens)
+        logits = np.asarray([llm.scores[len(tokens) - 1][i[0]] for i in ids], dtype=np.float64)
+        probabilities = np.exp(logits - logits.max())
+        prompts.append(tokens)
+        outputs.append([float(p) for p in probabilities / probabilities.sum()])
+    return {"sha256": sha256(path), "tokens": list(RERANK_TOKENS[name]), "prompts": prompts, "outputs": outputs,
+            "scores": [o[0] for o in outputs]}
 
 
 def main() -> None:

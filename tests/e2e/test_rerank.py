@@ -1,7 +1,8 @@
-"""`POST /rerank`, `/v1/rerank` and `/v1/score` over HTTP against llama.cpp's
-rank pooling of the same tiny rerankers (Qwen3 with a two-label
-classification head, with the file's rerank template and without:
-`tests/data/embedding_goldens.json`, recorded by
+"""`POST /rerank`, `/v1/rerank` and `/v1/score` over HTTP against llama.cpp on
+the same tiny rerankers: its rank pooling of Qwen3 with a two-label
+classification head, with the file's rerank template and without, and the
+softmax over two tokens' logits of a relevance-generation reranker
+(`--rerank-tokens`; `tests/data/embedding_goldens.json`, recorded by
 `tests/data/record_embedding_goldens.py`)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.plugin_api.rerank import pair_token_ids
 
 sys.path.insert(0, str(DATA))
-from record_embedding_goldens import RERANK_CASES, sha256, write_case  # noqa: E402
+from record_embedding_goldens import RERANK_CASES, RERANK_TOKENS, sha256, write_case  # noqa: E402
 
 GOLDENS = json.loads((DATA / "embedding_goldens.json").read_text())["rerank"]
 AUTH = {"Authorization": "Bearer k"}
@@ -37,7 +38,7 @@ def rerankers(tmp_path_factory):
         assert sha256(path) == GOLDENS["cases"][name]["sha256"], "the tiny writer changed: record the goldens again"
         models[name] = load_model(get_plugin_manager(autoload=False), str(path), served_name="tiny",
                                   executor_options=ExecutorOptions.of(**TINY_EXECUTOR),
-                                  engine_options=EngineOptions())
+                                  engine_options=EngineOptions(), rerank_tokens=RERANK_TOKENS.get(name, ()))
     yield models
     for model in models.values():
         model.engine.shutdown()
@@ -48,7 +49,9 @@ def rerankers(tmp_path_factory):
 async def test_rerank_scores_equal_llama_cpp_rank_pooling(name, rerankers, make_client):
     model = rerankers[name]
     golden = GOLDENS["cases"][name]
-    assert model.rank_head is not None and model.pooling == "last"
+    assert model.rank_head is not None
+    # a head's file says rank pooling; a relevance-generation one is named by --rerank-tokens
+    assert model.pooling == ("mean" if name in RERANK_TOKENS else "last")
     for document, tokens in zip(GOLDENS["documents"], golden["prompts"]):
         assert pair_token_ids(model.tokenizer, model.rerank_template, GOLDENS["query"], document) == tokens
     client = await make_client(model, api_keys=("k",))

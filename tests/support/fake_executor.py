@@ -139,6 +139,29 @@ class FakeExecutor(Executor):
                 rows.append(self._append(seq_id, chunk))
         return np.stack(rows)
 
+    #: features of a `prefill_hidden` row
+    HIDDEN = 8
+
+    def hidden_after(self, tokens: Sequence[int]) -> np.ndarray:
+        """The "final hidden state" after `tokens`: like the logits, a hash
+        of every token so far, so a lost or repeated token changes it."""
+        crc = zlib.crc32(np.asarray(tokens, dtype=np.int64).tobytes())
+        return np.array([(crc >> (4 * k)) & 0xF for k in range(self.HIDDEN)], dtype=np.float32)
+
+    def prefill_hidden(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]],
+                       all_positions: Sequence[bool] | None = None) -> np.ndarray:
+        if sum(len(t) for t in token_ids) > self.prefill_chunk_size or not all(token_ids):
+            raise ValueError("a prefill call carries 1 .. prefill_chunk_size tokens per chunk")
+        self.calls.append(("prefill_hidden", {s: len(t) for s, t in zip(seq_ids, token_ids)}))
+        rows = []
+        for i, (seq_id, chunk) in enumerate(zip(seq_ids, token_ids)):
+            chunk_rows = []
+            for token in chunk:
+                self._append(seq_id, [token])
+                chunk_rows.append(self.hidden_after(self.tokens[seq_id]))
+            rows += chunk_rows if all_positions is not None and all_positions[i] else chunk_rows[-1:]
+        return np.stack(rows)
+
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         if len(seq_ids) > self.max_num_seqs:
             raise ValueError("more rows than max_num_seqs")
