@@ -197,6 +197,20 @@ async def test_structured_output_n_and_logprobs_across_the_wire(ray_server, tiny
     assert isinstance(json.loads(got.choices[0].message.content)["a"], bool)
 
 
+async def test_embeddings_across_the_wire(ray_server, tiny_model, make_openai):
+    """Pooled requests travel as any other: the replicas' vectors are the
+    local engine's."""
+    local = await make_openai(tiny_model)
+    remote = ray_server.client()
+    texts = prompts(5)
+    want = await local.embeddings.create(model="tiny", input=texts, encoding_format="float")
+    got = await remote.embeddings.create(model="tiny", input=texts, encoding_format="float")
+    await remote.close()
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    for mine, theirs in zip(got.data, want.data):
+        assert mine.embedding == pytest.approx(theirs.embedding, abs=1e-5)
+
+
 async def test_tool_calls_across_the_wire(ray_server, tiny_model, make_openai):
     tool = {"type": "function", "function": {
         "name": "lamp", "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}},
