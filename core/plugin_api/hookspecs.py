@@ -11,7 +11,9 @@ engine and the models import `hookimpl` from here):
 
 * `GenerationRequest` (`lockgate.plugin_api.request`): the typed, parsed
   request, a `ChatRequest` or a `CompletionRequest`; its `body` holds the raw
-  JSON for extension fields.
+  JSON for extension fields. Embeddings' and rerank's inputs come as
+  `EmbeddingPrompts` (`lockgate.plugin_api.embeddings`), a
+  `CompletionRequest` that generates nothing (`generates` false).
 * `Model` (`lockgate.models`), `ModelSpec` (`lockgate.models`).
 * `Work`, `EngineClient`, `Handle` (`lockgate.engine`): the engine seam,
   which the in-process `Engine` and engine plugins implement.
