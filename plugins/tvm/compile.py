@@ -27,6 +27,7 @@ from lockgate.plugins.tvm.compile_cache import (
 )
 from lockgate.plugins.tvm.pipelines import cpu_pipeline, cuda_pipeline
 from lockgate.plugins.tvm.schedules import tensorize_works
+from lockgate.plugins.tvm import tvmscript_stack
 
 
 def resolve_target(name: str) -> Target:
@@ -117,6 +118,7 @@ def build_module(
     its memory is planned statically and the whole function becomes one
     CUDA graph; `record` receives the rule that scheduled each kernel.
     """
+    tvmscript_stack.install()
     model = (network or default_network())(config, target, formats)
     config_: dict = {}
     if target.kind.name == "llvm":

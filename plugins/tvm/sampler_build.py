@@ -12,6 +12,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
+from lockgate.plugins.tvm import tvmscript_stack
 from lockgate.plugins.tvm.pipelines import vm_lowering
 from lockgate.plugins.tvm.sampler_kernels import GPU_THREADS, sampler_module
 from lockgate.plugins.tvm.schedules import GPUInjective, rule_blocks
@@ -91,6 +92,7 @@ def sampler_pipeline(target: Target) -> tvm.transform.Pass:
 def build_sampler(vocab: int, target: Target):
     """Compile the sampler for `vocab` tokens: a relax Executable."""
     gpu = target.kind.name == "cuda"
+    tvmscript_stack.install()
     mod = sampler_module(vocab, gpu)
     with target:
         return tvm.compile(mod, target=target, relax_pipeline=sampler_pipeline(target))
