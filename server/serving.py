@@ -353,7 +353,8 @@ async def pooled(request: web.Request, prompts: EmbeddingPrompts, model: Model, 
 
 async def embed(request: web.Request, typed: EmbeddingRequest, model: Model) -> tuple[list[np.ndarray], Usage]:
     """An embeddings request's vectors (pooled as the model pools,
-    normalized) and usage."""
+    normalized) and usage, its `dimensions` checked against the model's."""
+    typed.check_dimensions(model.config.hidden_size)
     vectors, usage = await pooled(request, typed.to_prompts(), model, model.pooling,
                                   typed.truncate_to(model.context_length))
     return [normalized(v) for v in vectors], usage

@@ -72,8 +72,10 @@ class Pooler:
         if self.pooling == MEAN:
             total = rows.sum(axis=0)
             self._sum = total if self._sum is None else self._sum + total
-        elif self.pooling == LAST or self._sum is None:
-            self._sum = rows[-1] if self.pooling == LAST else rows[0]
+        elif self.pooling == LAST:
+            self._sum = rows[-1]
+        elif self._sum is None:  # cls: the first chunk's first row
+            self._sum = rows[0]
         self._rows += len(rows)
 
     def result(self) -> np.ndarray:

@@ -126,20 +126,22 @@ def _refuse_what_cannot_fit(prompt: str, request: GenerationRequest, model: Mode
     between the allocations of requests being served, the allocator keeps),
     only to count tokens that were never going to fit."""
     fewest = -(-len(prompt) // model.longest_token_chars)
-    if not request.generates and fewest > model.context_length:
+    # a generating request needs a token of the context for its completion
+    if fewest + request.generates <= model.context_length:
+        return
+    if not request.generates:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {model.context_length} tokens. However, your "
             f"{request.prompt_field} is at least {fewest} tokens ({len(prompt)} characters). Please reduce its "
             "length.",
             subject="prompt",
         )
-    if request.generates and fewest >= model.context_length:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {model.context_length} tokens. However, your prompt "
-            f"is at least {fewest} tokens ({len(prompt)} characters), which leaves no room for a completion. "
-            "Please reduce the length of the prompt.",
-            subject="prompt",
-        )
+    raise ContextLengthExceeded(
+        f"This model's maximum context length is {model.context_length} tokens. However, your prompt "
+        f"is at least {fewest} tokens ({len(prompt)} characters), which leaves no room for a completion. "
+        "Please reduce the length of the prompt.",
+        subject="prompt",
+    )
 
 
 def prompt_token_ids(pm: pluggy.PluginManager, request: GenerationRequest, model: Model,
