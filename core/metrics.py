@@ -3,7 +3,7 @@ counters fed by the engine thread through the `EngineObserver` interface."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -118,11 +118,31 @@ class Metrics:
         self.requests = Counter(
             "lockgate_requests", "HTTP requests to the API by outcome and error type.",
             ["outcome", "error_type"], registry=self.registry)
+        self.models_loaded = Gauge(
+            "lockgate_model_loaded", "1 while the model is loaded, else 0.", ["model"], registry=self.registry)
+        self.model_loads = Counter(
+            "lockgate_model_loads", "Times the model was loaded.", ["model"], registry=self.registry)
+        self.model_memory = Gauge(
+            "lockgate_model_memory_bytes", "Bytes the loaded model's executor allocated, by kind "
+            "(weights, kv_cache).", ["model", "kind"], registry=self.registry)
 
     def observe_engine(self, engine: EngineClient) -> None:
         """Report `engine`'s gauges and events from now on."""
         self._gauges.engines.append(engine)
         engine.observer = _EngineMetrics(self, engine.name)
+        self.models_loaded.labels(engine.name).set(1)
+        self.model_loads.labels(engine.name).inc()
+        memory = engine.stats().memory or {}
+        for kind, size in memory.items():
+            self.model_memory.labels(engine.name, kind).set(size)
+
+    def forget_engine(self, engine: EngineClient) -> None:
+        """`engine` was unloaded: its gauges go (its counters stay)."""
+        if engine in self._gauges.engines:
+            self._gauges.engines.remove(engine)
+        self.models_loaded.labels(engine.name).set(0)
+        for kind in ("weights", "kv_cache"):
+            self.model_memory.labels(engine.name, kind).set(0)
 
     def count_request(self, status: int, error_type: str | None) -> None:
         """One finished HTTP request: `status` 499 means the client went away."""

@@ -18,7 +18,8 @@ come
   the engines and the Ray replicas are configured from.
 
 This module imports nothing from lockgate at import time, so every layer
-may import it.
+may import it. It is over 450 lines because half of it is the table
+itself, a setting a few lines, which reads best in one place.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Setting:
     item type when `is_list`). A `bool` setting is an on/off flag
     (`--name` / `--no-name`; a None default means automatic until a flag or
     variable says on or off, its `default_text` saying what that is); a
-    list is given comma separated and held as a tuple. `help` is markdown
+    list is given comma separated, or as its flag given several times, and
+    held as a tuple. `help` is markdown
     (backticks are dropped for `--help`).
     """
 
@@ -130,8 +132,32 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("model", str, "SmolLM2-135M-Instruct",
-            "a registered model name (`smollm2` works too) or a GGUF path"),
+    Setting("model", str, (),
+            "the model to serve: a registered name (`smollm2` works too), a GGUF file or a model directory; "
+            "`NAME=MODEL` serves it as `NAME`. Given several times, the server serves each, every one in a "
+            "process of its own, loaded on first use (see `--max-models`, `--models-memory`, `--idle-ttl`)",
+            is_list=True, default_text="`SmolLM2-135M-Instruct`, where no `--models-dir` or `--models-preset` "
+            "names models", metavar="[NAME=]MODEL"),
+    Setting("models_dir", Path, None,
+            "serve every GGUF file (and model directory) in this folder, each named by its file's name "
+            "without `.gguf`", metavar="DIR"),
+    Setting("models_preset", Path, None,
+            "a TOML file of models, a table each: `[models.NAME]` with `model = \"PATH\"` and any per-model "
+            "setting (`max_total_tokens`, `quantize`, `chat_template`, `pooling`, ...) by its name, and "
+            "`idle_ttl`, `pinned` (loaded at start-up, never unloaded for room or time) and `aliases`",
+            metavar="FILE"),
+    Setting("max_models", int, None, "most models loaded at once: a load past it first unloads the least "
+            "recently used idle model", default_text="no limit"),
+    Setting("models_memory", int, None,
+            "MiB the loaded models' weights and KV caches may take together, as their executors allocate "
+            "them: a load past it first unloads least recently used idle models, and a model larger than it "
+            "does not load", default_text="no limit", metavar="MIB"),
+    Setting("idle_ttl", float, None,
+            "seconds a model stays loaded without requests (a preset's `idle_ttl` per model; Ollama's "
+            "`keep_alive` per request)", default_text="for good", metavar="SECONDS"),
+    Setting("load_wait", float, 300.0,
+            "seconds a request waits for its model to load (or for room to load it) before a 503 with "
+            "`Retry-After`", metavar="SECONDS"),
     Setting("served_model_name", str, None, "the `model` clients send", default_text="the model's"),
     Setting("host", str, "127.0.0.1", "address to listen on"),
     Setting("port", int, 8000, "port to listen on"),
@@ -216,6 +242,18 @@ SETTINGS: tuple[Setting, ...] = (
 
 _BY_NAME = {setting.name: setting for setting in SETTINGS}
 
+#: what `lockgate serve` serves when no model is named
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def split_model_entry(entry: str) -> tuple[str | None, str]:
+    """`--model`'s `NAME=MODEL` as (NAME, MODEL), a bare MODEL as (None,
+    MODEL); an `=` inside a path (after a `/`) is the path's."""
+    name, sep, model = entry.partition("=")
+    if sep and name and "/" not in name and "\\" not in name and model:
+        return name, model
+    return None, entry
+
 #: a table of settings: the server's own, then those plugins added
 Table = Sequence[Setting]
 
@@ -298,6 +336,8 @@ def add_arguments(parser: argparse.ArgumentParser, table: Table = SETTINGS) -> N
         parser.add_argument(
             setting.flag,
             dest=setting.name,
+            # a list's flag may repeat: each gives items
+            action="extend" if setting.is_list else "store",
             type=_flag_parser(setting),
             choices=setting.choices or None,
             metavar=setting.metavar or _METAVARS.get(setting.type),
@@ -308,7 +348,8 @@ def add_arguments(parser: argparse.ArgumentParser, table: Table = SETTINGS) -> N
 def values_from_args(args: argparse.Namespace, table: Table = SETTINGS) -> dict[str, Any]:
     """The settings given as flags (those not None)."""
     given = vars(args)
-    return {s.name: given[s.name] for s in table if given.get(s.name) is not None}
+    return {s.name: tuple(given[s.name]) if s.is_list else given[s.name]
+            for s in table if given.get(s.name) is not None}
 
 
 def _flag_parser(setting: Setting) -> Callable[[str], Any]:
@@ -344,6 +385,20 @@ class Settings:
     and the values of the settings plugins add, in `plugins` and read as
     attributes (`settings.replicas`); a plugin setting not given reads as
     its default."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, (str, Path)):  # one model, as code that builds Settings names it
+            self.model = (str(self.model),)
+
+    @property
+    def model_source(self) -> str:
+        """The one model these settings load: a registered name, a GGUF
+        file or a model directory (`NAME=` left off; the default model
+        where none is named). A server's plan gives each of several models
+        settings of its own (`lockgate.models.plans`)."""
+        if len(self.model) > 1:
+            raise ValueError(f"these settings name {len(self.model)} models, not one")
+        return split_model_entry(self.model[0])[1] if self.model else DEFAULT_MODEL
 
     def __getattr__(self, name: str) -> Any:
         # only called for names that are not fields: a plugin's setting
@@ -396,14 +451,14 @@ class Settings:
         merged = {**{s.name: getattr(self, s.name) for s in SETTINGS}, **self.plugins, **values}
         return Settings.of(**merged)
 
-    def executor_options(self, progress=None):
+    def executor_options(self, progress=None, reserve=None):
         """The `ExecutorOptions` these settings hold: the sizes, and every
         plugin's settings for the executor to read its own from."""
         # imported here: those modules take their defaults from this one
         from lockgate.engine.executor import ExecutorOptions
 
         return ExecutorOptions(**self._held_by(ExecutorOptions), plugin_settings=dict(self.plugins),
-                               progress=progress)
+                               progress=progress, reserve=reserve)
 
     def engine_options(self):
         """The `EngineOptions` these settings hold."""

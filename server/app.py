@@ -11,7 +11,6 @@ Settings come from `LOCKGATE_*` environment variables where not given.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import Iterable
 
@@ -22,7 +21,10 @@ from aiohttp import web
 from lockgate.logging import configure_logging
 from lockgate.memory import Trimmer
 from lockgate.metrics import Metrics
-from lockgate.models import Model, ServedModels, load_served_model
+from lockgate.models import Model, load_served_model
+from lockgate.models.fleet import ModelFleet
+from lockgate.models.slots import ModelPlan
+from lockgate.models.plans import model_plans
 from lockgate.plugin_api.manager import get_plugin_manager
 from lockgate.server.config import Settings, serve_parser, settings_from_args
 from lockgate.settings import settings_table
@@ -42,6 +44,7 @@ from lockgate.server.middlewares import (
 from lockgate.server import anthropic_api, ollama_api
 from lockgate.server.openai_api import ROOT_ROUTES as OPENAI_ROOT_ROUTES, ROUTES as OPENAI_ROUTES
 from lockgate.server.openai_api.responses import RESPONSE_STORE, ResponseStore
+from lockgate.server.model_routes import model_routes
 from lockgate.server.routes import routes
 from lockgate.server.tokenizer_routes import tokenizer_routes
 
@@ -57,8 +60,11 @@ def create_app(
     """Build the application.
 
     With `models`, those (already loaded) models are served and left open at
-    cleanup; otherwise `settings.model` is loaded at start-up and closed at
-    cleanup. Engines start with the app and stop with it.
+    cleanup; otherwise the models `settings` name (`lockgate.models.plans`)
+    are served: one is loaded at start-up, several each on first use, and
+    all are closed at cleanup. Engines start with the app and stop with it.
+
+    :raises InvalidSetting: settings that name no servable set of models.
     """
     settings = settings or Settings.from_env()
     pm = pm or get_plugin_manager()
@@ -69,13 +75,14 @@ def create_app(
     app[SETTINGS] = settings
     app[PLUGIN_MANAGER] = pm
     app[FIELD_POLICY] = FieldPolicy.from_plugins(pm, accept_unknown=settings.accept_unknown_fields)
-    app[MODELS] = ServedModels()
     app[METRICS] = Metrics()
+    app[MODELS] = _fleet(settings, pm, app[METRICS], None if models is None else list(models))
     app[TRIMMER] = Trimmer()
     app.on_response_prepare.append(set_request_id_header)
     app.on_response_prepare.append(set_cors_headers)
     app.on_response_prepare.append(set_replica_header)
     app.add_routes(routes)
+    app.add_routes(model_routes)
     app.add_routes(tokenizer_routes)
     app.add_routes(OPENAI_ROOT_ROUTES)
     # the OpenAI API: counted, and behind the API key when keys are set
@@ -87,7 +94,7 @@ def create_app(
     app[RESPONSE_STORE] = ResponseStore(settings.responses_store_size)
     app.add_subapp("/v1", api)
     app.add_subapp(ollama_api.PREFIX, ollama_api.ollama_app(settings.max_body_size))
-    app.cleanup_ctx.append(_model_lifecycle(None if models is None else list(models)))
+    app.cleanup_ctx.append(_model_lifecycle)
     app.on_cleanup.append(_close_trimmer)
     return app
 
@@ -96,39 +103,39 @@ async def _close_trimmer(app: web.Application) -> None:
     app[TRIMMER].close()
 
 
-def _model_lifecycle(given: list[Model] | None):
-    async def lifecycle(app: web.Application):
-        loop = asyncio.get_running_loop()
-        settings = app[SETTINGS]
-        owned = given is None
-        models = given
-        if owned:
-            models = [await loop.run_in_executor(None, load_from_settings, app[PLUGIN_MANAGER], settings)]
-        for model in models:
-            app[MODELS].add(model)
-            app[METRICS].observe_engine(model.engine)
-            model.engine.start(loop)
-            log.info("serving", model=model.name, context_length=model.context_length)
-        try:
-            yield
-        finally:
-            for model in models:
-                # handlers had aiohttp's shutdown timeout to finish; what is
-                # left is failed with 503 now
-                await loop.run_in_executor(None, model.engine.shutdown, 0.0)
-                if owned:
-                    model.close()
+def _fleet(settings: Settings, pm: pluggy.PluginManager, metrics: Metrics, given: list[Model] | None) -> ModelFleet:
+    options = dict(
+        max_models=settings.max_models,
+        memory_budget=None if settings.models_memory is None else settings.models_memory << 20,
+        load_wait=settings.load_wait,
+        drain_grace=settings.shutdown_grace,
+        retry_after=settings.engine_options().retry_after,
+        on_ready=lambda model: metrics.observe_engine(model.engine),
+        on_unloaded=lambda model: metrics.forget_engine(model.engine),
+    )
+    if given is not None:
+        return ModelFleet.of_loaded(given, **options)
 
-    return lifecycle
+    def load(plan: ModelPlan, progress, reserve) -> Model:
+        return load_served_model(pm, plan.settings, progress=progress, reserve=reserve)
+
+    return ModelFleet(model_plans(settings, pm, settings_table(pm)), load, **options)
 
 
-def load_from_settings(pm: pluggy.PluginManager, settings: Settings) -> Model:
-    """Load the model `settings` names with the engine they choose
-    (`--engine`), reporting progress in the log."""
-    def progress(message: str) -> None:
-        log.info(message, model=settings.model)
-
-    return load_served_model(pm, settings, progress=progress)
+async def _model_lifecycle(app: web.Application):
+    """The models: loaded (those loaded at start-up) before the server
+    takes requests, unloaded at cleanup (handlers had aiohttp's shutdown
+    timeout to finish; what is left fails with 503)."""
+    fleet = app[MODELS]
+    await fleet.start()
+    for model in fleet.ready_models():
+        log.info("serving", model=model.name, context_length=model.context_length)
+    if len(list(fleet)) > 1:
+        log.info("models", names=[slot.name for slot in fleet])
+    try:
+        yield
+    finally:
+        await fleet.close()
 
 
 def serving_process(pm: pluggy.PluginManager | None = None) -> pluggy.PluginManager:

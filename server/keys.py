@@ -8,14 +8,15 @@ from aiohttp import web
 from lockgate.engine import Usage
 from lockgate.memory import Trimmer
 from lockgate.metrics import Metrics
-from lockgate.models import ServedModels
+from lockgate.models.fleet import ModelFleet
 from lockgate.plugin_api.fields import FieldPolicy
 from lockgate.plugin_api.request import GenerationRequest
 from lockgate.server.config import Settings
 
 PLUGIN_MANAGER = web.AppKey("plugin_manager", pluggy.PluginManager)
 SETTINGS = web.AppKey("settings", Settings)
-MODELS = web.AppKey("models", ServedModels)
+#: the models served and their lifecycle
+MODELS = web.AppKey("models", ModelFleet)
 METRICS = web.AppKey("metrics", Metrics)
 TRIMMER = web.AppKey("trimmer", Trimmer)
 #: which request fields beyond the field tables are accepted (plugins', and
@@ -38,3 +39,5 @@ COUNTED = web.RequestKey("lockgate_counted", bool)
 HANDLES = web.RequestKey("lockgate_handles", list)
 #: per-request: token counts for the summary line
 USAGE = web.RequestKey("lockgate_usage", Usage)
+#: per-request: its holds on the models it uses (`ModelFleet.acquire`), released when it ends
+LEASES = web.RequestKey("lockgate_leases", list)

@@ -27,7 +27,7 @@ from lockgate.memory import LARGE_BODY_BYTES
 from lockgate.server.keys import (
     COUNTED, ERROR_ANSWER, HANDLES, METRICS, PIPELINE_REQUEST, REQUEST_ID, SETTINGS, TRIMMER, USAGE,
 )
-from lockgate.server.protocol import error_body_for, error_response
+from lockgate.server.protocol import error_body_for, error_response, release_leases
 
 log = structlog.get_logger("lockgate.server")
 
@@ -58,6 +58,7 @@ async def request_id_middleware(request: web.Request, handler):
         status = 499  # the client went away
         raise
     finally:
+        release_leases(request)
         usage = request.get(USAGE)
         typed = request.get(PIPELINE_REQUEST)
         user = getattr(typed, "user", None)

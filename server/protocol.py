@@ -32,9 +32,48 @@ from lockgate.errors import (
     RouteNotFound,
     UnsupportedMediaType,
 )
-from lockgate.server.keys import ERROR_ANSWER, ERROR_WRITER, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS
+from lockgate.models import Model
+from lockgate.models.slots import Lease
+from lockgate.server.keys import (
+    ERROR_ANSWER, ERROR_WRITER, LEASES, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, REQUEST_ID, SETTINGS,
+)
 
 log = structlog.get_logger("lockgate.server")
+
+# ------------------------------------------------------------------ the model a request names
+
+
+async def leased_model(request: web.Request, name: Any) -> Model:
+    """The model a request's `model` names, loaded (it waits for a load, or
+    gets a 503 with Retry-After before any byte) and held for the request's
+    life (`request_lease` releases it when the request ends); 400 or 404
+    for a missing or unknown name."""
+    return (await request_lease(request, name)).model
+
+
+async def request_lease(request: web.Request, name: Any) -> Lease:
+    """`leased_model`'s lease (a protocol that says how long the model
+    stays, Ollama's `keep_alive`, sets it on the lease)."""
+    lease = await request.config_dict[MODELS].acquire(name)
+    if LEASES not in request:
+        request[LEASES] = []
+    request[LEASES].append(lease)
+    return lease
+
+
+def keep_alive(request: web.Request, seconds: float | None) -> None:
+    """How long the models of this request stay loaded once idle: seconds
+    (0: unload as soon as idle; negative: for good); None leaves the TTL."""
+    if seconds is not None:
+        for lease in request.get(LEASES, ()):
+            lease.keep_alive = seconds
+
+
+def release_leases(request: web.Request) -> None:
+    """The request has ended: its models may unload."""
+    for lease in request.get(LEASES, ()):
+        lease.release()
+
 
 # ------------------------------------------------------------------ request bodies
 

@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lockgate.errors import Unavailable
+from lockgate.models.slots import READY
 from lockgate.server.keys import METRICS, MODELS, SETTINGS
 from lockgate.server.middlewares import require_api_key
 
@@ -18,17 +19,22 @@ routes = web.RouteTableDef()
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    """Open to all, API keys or not: load balancers and orchestrators probe it."""
-    models = list(request.app[MODELS])
-    if not models:
-        raise Unavailable("the model is still loading")
-    for model in models:
-        if not model.engine.healthy:
-            raise Unavailable(
-                f"model {model.name} is not serving: "
-                + (model.engine.unhealthy_reason or "the server is shutting down")
-            )
-    return web.json_response({"status": "ok", "models": {m.name: m.engine.stats().as_dict() for m in models}})
+    """Open to all, API keys or not: load balancers and orchestrators probe
+    it. Each model's state, and a loaded one's engine figures; 503 while a
+    loaded model's engine cannot serve (a model not loaded is no fault:
+    the next request for it loads it)."""
+    fleet = request.app[MODELS]
+    models = {}
+    for slot in fleet:
+        entry = slot.describe()
+        if slot.state == READY and slot.loaded is not None:
+            engine = slot.loaded.model.engine
+            if not engine.healthy:
+                raise Unavailable(f"model {slot.name} is not serving: "
+                                  + (engine.unhealthy_reason or "the server is shutting down"))
+            entry.update(engine.stats().as_dict())
+        models[slot.name] = entry
+    return web.json_response({"status": "ok", "models": models})
 
 
 @routes.get("/metrics")

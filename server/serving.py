@@ -34,8 +34,8 @@ from lockgate.models import Model
 from lockgate.plugin_api.embeddings import EmbeddingPrompts, EmbeddingRequest, normalized
 from lockgate.plugin_api.pipeline import run_pipeline
 from lockgate.plugin_api.request import GenerationRequest
-from lockgate.server.keys import HANDLES, MODELS, PIPELINE_REQUEST, PLUGIN_MANAGER, USAGE
-from lockgate.server.protocol import error_response, read_json_body
+from lockgate.server.keys import HANDLES, PIPELINE_REQUEST, PLUGIN_MANAGER, USAGE
+from lockgate.server.protocol import error_response, leased_model, read_json_body
 
 log = structlog.get_logger("lockgate.server")
 
@@ -267,7 +267,7 @@ async def generate(request: web.Request, parse: Parse, answer: Answer,
     for finished ones) and the usage is noted for the request's log line; a
     client that left is logged as 499."""
     body = await read_json_body(request)
-    model = request.config_dict[MODELS].resolve(model_name(body.get("model")))
+    model = await leased_model(request, model_name(body.get("model")))
     typed = parse(request, body, model)
     request[PIPELINE_REQUEST] = typed
     handles = await run_pipeline(request.config_dict[PLUGIN_MANAGER], typed, model)

@@ -32,7 +32,7 @@ from lockgate.plugin_api.request import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, par
 from lockgate.plugin_api.tool_calls import chat_template_for
 from lockgate.server.keys import FIELD_POLICY, MODELS, PLUGIN_MANAGER, REQUEST_ID
 from lockgate.server.middlewares import require_api_key
-from lockgate.server.protocol import read_json_body
+from lockgate.server.protocol import leased_model, read_json_body
 
 tokenizer_routes = web.RouteTableDef()
 
@@ -41,12 +41,13 @@ _CHAT_FIELDS = ("messages", "tools", "tool_choice", "functions", "function_call"
                 "reasoning_effort")
 
 
-def _model(request: web.Request, name):
-    """The model named, or the one served when none is named."""
-    models = request.config_dict[MODELS]
-    if name is None and len(list(models)) == 1:
-        return next(iter(models))
-    return models.resolve(name)
+async def _model(request: web.Request, name):
+    """The model named, or the one served when none is named (loaded: its
+    tokenizer is read where it runs)."""
+    slots = list(request.config_dict[MODELS])
+    if name is None and len(slots) == 1:
+        name = slots[0].name
+    return await leased_model(request, name)
 
 
 @tokenizer_routes.post("/tokenize")
@@ -54,7 +55,7 @@ async def tokenize(request: web.Request) -> web.Response:
     require_api_key(request)
     body = await read_json_body(request)
     check_fields(TOKENIZE, body, request.config_dict[FIELD_POLICY])
-    model = _model(request, body.get("model"))
+    model = await _model(request, body.get("model"))
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequestError("send either prompt (a string) or messages (a chat)", param="prompt")
     add_special_tokens = boolean(body.get("add_special_tokens", True), "add_special_tokens")
@@ -90,7 +91,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     require_api_key(request)
     body = await read_json_body(request)
-    model = _model(request, body.get("model"))
+    model = await _model(request, body.get("model"))
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
         raise InvalidRequestError("tokens must be an array of token ids (integers)", param="tokens")
@@ -106,7 +107,7 @@ async def detokenize(request: web.Request) -> web.Response:
 @tokenizer_routes.get("/tokenizer_info")
 async def tokenizer_info(request: web.Request) -> web.Response:
     require_api_key(request)
-    model = _model(request, request.query.get("model"))
+    model = await _model(request, request.query.get("model"))
     tokenizer = model.tokenizer
     info: dict[str, Any] = {
         "model": model.name,

@@ -43,6 +43,8 @@ class EngineStats:
     prefix_cache_sequences: int = 0
     #: what the weights run as (`Executor.load_report`), where the executor says
     weights: dict[str, Any] | None = None
+    #: bytes the executor allocated (`Executor.memory`: weights, kv_cache), where it says
+    memory: dict[str, int] | None = None
     #: each replica's figures by replica id, where the engine has replicas
     replicas: dict[str, "EngineStats"] | None = None
     #: further figures an engine reports as they are (a replica's health, pid)
@@ -56,11 +58,13 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON for /health and the replicas' board: the figures, the extra
-        ones, then "weights" and "replicas" where there are any."""
+        ones, then "weights", "memory" and "replicas" where there are any."""
         out: dict[str, Any] = {name: getattr(self, name) for name in LOAD_FIGURES}
         out.update(self.extra)
         if self.weights is not None:
             out["weights"] = self.weights
+        if self.memory is not None:
+            out["memory"] = self.memory
         if self.replicas is not None:
             out["replicas"] = {replica: stats.as_dict() for replica, stats in sorted(self.replicas.items())}
         return out
@@ -72,8 +76,9 @@ class EngineStats:
         return cls(
             **{name: int(figures.get(name, 0)) for name in LOAD_FIGURES},
             weights=figures.get("weights"),
+            memory=figures.get("memory"),
             replicas=None if replicas is None else {r: cls.from_dict(f) for r, f in replicas.items()},
-            extra={k: v for k, v in figures.items() if k not in (*LOAD_FIGURES, "weights", "replicas")},
+            extra={k: v for k, v in figures.items() if k not in (*LOAD_FIGURES, "weights", "memory", "replicas")},
         )
 
     @classmethod

@@ -40,6 +40,11 @@ class ExecutorOptions:
     plugin_settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: called with one-line progress messages while compiling and loading
     progress: Callable[[str], None] | None = None
+    #: called once before the weights and the KV cache are allocated, with
+    #: the bytes they will take (`Executor.memory`'s keys); it may block
+    #: until there is room, or raise to refuse the load (the memory budget
+    #: of a server with several models)
+    reserve: Callable[[dict[str, int]], None] | None = None
 
     @classmethod
     def of(cls, **values: Any) -> "ExecutorOptions":
@@ -71,6 +76,9 @@ class Executor(abc.ABC):
     #: "type", "bytes", "file_bytes"}, …]} (the TVM executor's
     #: `weights.load_report`); None when an executor does not say
     load_report: dict | None = None
+    #: bytes the executor allocated: {"weights": ..., "kv_cache": ...} (what
+    #: `ExecutorOptions.reserve` was told); None when an executor does not say
+    memory: dict[str, int] | None = None
     #: KV pages in the cache
     total_pages: int
     #: most sequences in one decode call

@@ -177,3 +177,39 @@ class EngineObserver:
     def prefix_lookup(self, tokens: int, found: int) -> None:
         """A sequence looked for `tokens` tokens in the prefix cache and
         found the first `found` of them."""
+
+
+#: an observer call as it crosses to another process: the method's name and its keywords
+ObserverEvent = tuple[str, dict[str, Any]]
+
+
+class RecordingObserver(EngineObserver):
+    """Keeps an engine's observer calls until they are taken, for an engine
+    in another process (a Ray replica, a model's child process) whose
+    front feeds them to its own observer (`replay`), so the server's
+    metrics are one set."""
+
+    def __init__(self) -> None:
+        self.events: list[ObserverEvent] = []
+
+    def request_finished(self, **fields) -> None:
+        self.events.append(("request_finished", fields))
+
+    def preempted(self) -> None:
+        self.events.append(("preempted", {}))
+
+    def speculated(self, drafter: str | None, drafted: int, accepted: int) -> None:
+        self.events.append(("speculated", {"drafter": drafter, "drafted": drafted, "accepted": accepted}))
+
+    def prefix_lookup(self, tokens: int, found: int) -> None:
+        self.events.append(("prefix_lookup", {"tokens": tokens, "found": found}))
+
+    def take(self) -> list[ObserverEvent]:
+        events, self.events = self.events, []
+        return events
+
+    @staticmethod
+    def replay(events: list[ObserverEvent], observer: EngineObserver) -> None:
+        """Make on `observer` the calls `events` recorded."""
+        for kind, fields in events:
+            getattr(observer, kind)(**fields)

@@ -174,6 +174,7 @@ class Engine:
                 kv_pages_cached=self._kv_cached_pages,
                 prefix_cache_sequences=self.scheduler.cached_sequences,
                 weights=self.executor.load_report,
+                memory=self.executor.memory,
             )
 
     def close(self) -> None:

@@ -2,10 +2,10 @@
 interface, and `load_model`, which puts them together with an engine."""
 
 from lockgate.models.loading import (
-    Model, ModelSource, ModelSpec, ServedModels, load_model, load_model_from_settings, load_served_model, open_model,
+    Model, ModelSource, ModelSpec, load_model, load_model_from_settings, load_served_model, open_model,
 )
 
 __all__ = [
-    "Model", "ModelSource", "ModelSpec", "ServedModels", "load_model", "load_model_from_settings", "load_served_model",
+    "Model", "ModelSource", "ModelSpec", "load_model", "load_model_from_settings", "load_served_model",
     "open_model",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lockgate.engine import Engine, EngineClient, EngineOptions
 from lockgate.engine.client import conformance_problems
-from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound
+from lockgate.errors import ModelLoadError
 from lockgate.memory import trim_allocator
 from lockgate.engine.executor import Executor, ExecutorFactory, ExecutorOptions
 from lockgate.engine.pooling import MEAN, file_pooling
@@ -23,6 +23,7 @@ from lockgate.models.model_file import ModelFile
 from lockgate.models.config import ModelConfig
 from lockgate.models.families import ModelFamilies, ModelFamily
 from lockgate.models.gguf_metadata import GGUFMetadata
+from lockgate.plugin_api.grammars import rebuild_grammar
 from lockgate.plugin_api.reasoning import ReasoningFormat, choose_reasoning_format
 from lockgate.plugin_api.rerank import RankHead, file_rerank_template, read_rank_head
 from lockgate.plugin_api.tool_calls import ToolCallFormat, chat_template_for, choose_tool_call_format
@@ -92,6 +93,12 @@ class Model:
             self.executor.close()
         self.engine.close()
 
+    def grammar_from_source(self, source: str):
+        """The `Grammar` whose `source` this is, compiled for this model
+        (a request's grammar as it crossed to an engine elsewhere,
+        `lockgate.engine.wire`)."""
+        return rebuild_grammar(source, self.tokenizer, eos_token_ids=self.eos_token_ids)
+
     @property
     def can_embed(self) -> bool:
         """Whether the executor returns hidden states (`Executor.can_embed`);
@@ -128,8 +135,10 @@ def registered_executors(pm: pluggy.PluginManager) -> dict[str, ExecutorFactory]
     return _by_name(pm.hook.lockgate_register_executors)
 
 
-#: `load(pm, settings, progress)` -> Model: an engine plugin's loader
-EngineLoader = Callable[[pluggy.PluginManager, Any, Callable[[str], None]], "Model"]
+#: `load(pm, settings, progress)` -> Model: an engine plugin's loader; where
+#: a memory budget applies it is also given `reserve=`, what its executor is
+#: to call before it allocates (`ExecutorOptions.reserve`)
+EngineLoader = Callable[[pluggy.PluginManager, Any, Callable[[str], None], Any], "Model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,15 +173,18 @@ def chosen_engine(settings, engines: dict[str, EngineEntry]) -> str:
     return "local"
 
 
-def load_served_model(pm: pluggy.PluginManager, settings, progress: Callable[[str], None] | None = None) -> "Model":
+def load_served_model(pm: pluggy.PluginManager, settings, progress: Callable[[str], None] | None = None,
+                      reserve: Callable[[dict[str, int]], None] | None = None) -> "Model":
     """The model `settings` names, loaded by the engine they choose
-    (`chosen_engine`)."""
+    (`chosen_engine`); `reserve` as `ExecutorOptions.reserve`."""
     engines = registered_engines(pm)
     name = chosen_engine(settings, engines)
     if name not in engines:
         known = ", ".join(sorted(engines)) or "none"
         raise ModelLoadError(f"no engine named {name!r} (engines: {known})")
-    model = engines[name].load(pm, settings, progress or (lambda message: None))
+    # `reserve` only where a budget applies: a loader written before it keeps working
+    extra = {} if reserve is None else {"reserve": reserve}
+    model = engines[name].load(pm, settings, progress or (lambda message: None), **extra)
     problems = conformance_problems(model.engine, EngineClient)
     if problems:
         model.close()
@@ -389,19 +401,12 @@ def load_model(
     return source.serve_with(engine, backend)
 
 
-def load_model_from_settings(pm: pluggy.PluginManager, settings, progress=None) -> Model:
-    """`load_model` as `settings` (a `lockgate.settings.Settings`) say."""
-    chat_template = None
-    if settings.chat_template is not None:
-        chat_template = settings.chat_template.read_text()
-    return load_model(
-        pm,
-        settings.model,
-        executor=settings.executor,
+def source_options(settings) -> dict[str, Any]:
+    """What `open_model` is told by `settings` (a `lockgate.settings.Settings`):
+    the served name, the template files read, the formats, the pooling."""
+    return dict(
         served_name=settings.served_model_name,
-        chat_template=chat_template,
-        executor_options=settings.executor_options(progress=progress),
-        engine_options=settings.engine_options(),
+        chat_template=None if settings.chat_template is None else settings.chat_template.read_text(),
         tool_call_format=settings.tool_call_format,
         max_tool_calls=settings.max_tool_calls,
         reasoning_format=settings.reasoning_format,
@@ -411,35 +416,14 @@ def load_model_from_settings(pm: pluggy.PluginManager, settings, progress=None) 
     )
 
 
-class ServedModels:
-    """The models this server answers for, looked up by a request's `model`."""
-
-    def __init__(self, models: Iterable[Model] = ()) -> None:
-        self.models: list[Model] = []
-        self._by_name: dict[str, Model] = {}
-        for model in models:
-            self.add(model)
-
-    def add(self, model: Model) -> None:
-        self.models.append(model)
-        for key in (model.name, *model.aliases):
-            self._by_name.setdefault(key, model)
-
-    def resolve(self, name: Any) -> Model:
-        """The model a request names; 400 when `model` is missing or not a
-        string, 404 when no served model has that name."""
-        if name is None:
-            raise InvalidRequestError("you must provide a model parameter", param="model")
-        if not isinstance(name, str):
-            raise InvalidRequestError("model must be a string", param="model")
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise ModelNotFound(
-                f"The model '{name}' does not exist. Served models: "
-                + ", ".join(m.name for m in self.models),
-                param="model",
-            ) from None
-
-    def __iter__(self):
-        return iter(self.models)
+def load_model_from_settings(pm: pluggy.PluginManager, settings, progress=None, reserve=None) -> Model:
+    """`load_model` as `settings` (a `lockgate.settings.Settings`) say;
+    `reserve` as `ExecutorOptions.reserve`."""
+    return load_model(
+        pm,
+        settings.model_source,
+        executor=settings.executor,
+        executor_options=settings.executor_options(progress=progress, reserve=reserve),
+        engine_options=settings.engine_options(),
+        **source_options(settings),
+    )

@@ -374,12 +374,6 @@ TOKENIZE_FIELDS = (
     refused("mm_processor_kwargs", "this server reads text only", example={"x": 1}),
 )
 
-def _keep_alive(value: Any, where: str) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise UnsupportedParameter(f"{where} must be a duration (\"5m\") or a number of seconds", param=where)
-    return value
-
-
 #: what Ollama's chat and generate bodies share
 _OLLAMA_GENERATION = (
     implemented("model", "the served model's name (with `:latest`, the model itself)", "tiny"),
@@ -390,7 +384,8 @@ _OLLAMA_GENERATION = (
                 "server's (`num_ctx` up to the model's context); others are refused unless they ask for nothing",
                 {"temperature": 0.5, "num_predict": 2}),
     implemented("think", "true, false or an effort: the thinking of a model with a reasoning format", False),
-    accepted("keep_alive", "the model stays loaded for the server's life", _keep_alive, "5m"),
+    implemented("keep_alive", "how long the model stays loaded once idle: seconds or a duration (\"5m\"); 0 "
+                "unloads it when idle, negative keeps it", "5m"),
     refused("logprobs", "logprobs are served on /v1/chat/completions", (False,)),
     refused("top_logprobs", "logprobs are served on /v1/chat/completions", (0,), 2),
 )
@@ -429,7 +424,8 @@ OLLAMA_EMBED_FIELDS = (
     implemented("dimensions", "the model's own size only: its embeddings are not trained to be shortened", 64),
     implemented("options", "load-time options are the server's (`num_ctx` up to the model's context); sampling "
                 "options ask for nothing here; others are refused unless they ask for nothing", {"num_ctx": 64}),
-    accepted("keep_alive", "the model stays loaded for the server's life", _keep_alive, "5m"),
+    implemented("keep_alive", "how long the model stays loaded once idle: seconds or a duration (\"5m\"); 0 "
+                "unloads it when idle, negative keeps it", "5m"),
 )
 
 RERANK_FIELDS = (

@@ -184,8 +184,12 @@ def lockgate_register_engines(
     :param register: call `register(name, load)`; `load(pm, settings,
         progress)` loads the model `settings` names and returns a `Model`
         whose `engine` is an `EngineClient` (`lockgate.engine.client`),
-        calling `progress(message)` as it goes. `--engine` chooses one by
-        name; `local` (built in) runs the engine in this process. With
+        calling `progress(message)` as it goes. Where the server keeps a
+        memory budget over several models (`--models-memory`), `load` is
+        also given `reserve=`: the callable its executor calls before it
+        allocates (`ExecutorOptions.reserve`). `--engine` chooses one by
+        name; `local` (built in) runs the engine in this process, `process`
+        (built in) in a child process of its own. With
         `register(name, load, chosen_by="a_setting")`, giving that setting
         (one the plugin adds) chooses the engine when `--engine` is not set.
     :returns: nothing; the return value is ignored.

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import os
 import threading
 import time
+import types
 from collections.abc import Callable, Iterable
 
 import pluggy
@@ -33,6 +35,7 @@ DEFAULT_PLUGINS = (
     "lockgate.plugins.drafters",
     "lockgate.plugins.tvm",
     "lockgate.plugins.ray",
+    "lockgate.plugins.process",
 )
 
 DISABLED_PLUGINS_ENV = "LOCKGATE_DISABLED_PLUGINS"
@@ -186,13 +189,36 @@ def get_plugin_manager(*, autoload: bool = True, plugins: Iterable[object] = ())
     for module_name in _named_plugin_modules():
         if pm.get_plugin(module_name) is None and not pm.is_blocked(module_name):
             pm.register(_import_plugin(module_name), name=module_name)
+    plugins = list(plugins)
     for plugin in plugins:
         pm.register(plugin)
+    pm.recipe = PluginRecipe(autoload, tuple(p.__name__ for p in plugins if isinstance(p, types.ModuleType)))
     pm.check_pending()
     _refuse_unreplaced(pm, disabled)
     if os.environ.get(TRACE_PLUGINS_ENV, "") not in ("", "0"):
         trace_hook_calls(pm)
     return pm
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginRecipe:
+    """How a plugin manager was built, for another process to build the
+    same (a model's child process): whether entry points were loaded, and
+    the plugin modules given by name. Plugins given as classes or objects
+    do not cross; the environment (`LOCKGATE_PLUGINS`, ...) is inherited."""
+
+    autoload: bool = True
+    modules: tuple[str, ...] = ()
+
+    def build(self) -> PluginManager:
+        return get_plugin_manager(autoload=self.autoload,
+                                  plugins=[importlib.import_module(name) for name in self.modules])
+
+
+def plugin_recipe(pm: pluggy.PluginManager) -> PluginRecipe:
+    """How `pm` was built (`get_plugin_manager` records it); a manager built
+    otherwise is taken as the default one."""
+    return getattr(pm, "recipe", PluginRecipe())
 
 
 def _named_plugin_modules() -> list[str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -93,6 +94,34 @@ def read_options(value: Any, where: str) -> dict[str, Any]:
         else:
             raise InvalidRequestError(f"{at} is not an option this server knows", param=at)
     return out
+
+
+#: a Go duration's units, as Ollama's `keep_alive` takes them, in seconds
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def read_keep_alive(value: Any, where: str) -> float | None:
+    """`keep_alive`: how long the model stays loaded once idle, in seconds:
+    a number of seconds or a duration ("5m", "1h30m", "-1"); 0 unloads it
+    as soon as it is idle, a negative value keeps it for good."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        text = text.lstrip("+-")
+        try:
+            return sign * float(text)  # "300": seconds
+        except ValueError:
+            pass
+        parts = _DURATION.findall(text)
+        if text and "".join(number + unit for number, unit in parts) == text:
+            return sign * sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+    raise InvalidRequestError(f'{where} must be a duration ("5m", "1h", "-1") or a number of seconds, got '
+                              f"{json.dumps(value)}", param=where)
 
 
 def read_format(value: Any, where: str) -> OutputFormat | None:
@@ -189,6 +218,7 @@ class OllamaBase:
     format: OutputFormat | None = param(None, read_format)
     options: Mapping[str, Any] = param({}, read_options)
     think: bool | None = param(None, read_think)
+    keep_alive: float | None = param(None, read_keep_alive)
 
     def _chat(self, messages: tuple[Message, ...], *, thinks: bool, context_length: int, **more) -> ChatRequest:
         values = dict(self.options)

@@ -8,7 +8,7 @@ replica on Ray Serve and gets back a handle that streams the deltas. Each
 replica (`replica.EngineReplica`) loads the model and runs the same
 `Engine` a single-process server runs.
 
-* `wire` — what crosses between front and replica;
+* `affinity` — the prompt-prefix hashes the router places requests by;
 * `replica` — the replica's side;
 * `engine` — the front's side (`RayEngine`, `RemoteRequestHandle`);
 * `routing` — prefix-affinity request router;
@@ -22,6 +22,7 @@ from __future__ import annotations
 import pluggy
 
 from lockgate.models import Model, open_model
+from lockgate.models.loading import source_options
 from lockgate.plugin_api.hookspecs import hookimpl
 from lockgate.settings import Setting
 
@@ -62,14 +63,15 @@ def lockgate_add_settings(register) -> None:
         register(setting)
 
 
-def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None) -> Model:
+def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None, reserve=None) -> Model:
     """The model `settings` names, served by engine replicas on Ray Serve
     (`settings.replicas` of them, on the cluster at `settings.ray_address`).
     On a cluster that already runs the application `lockgate-<model name>`
     (deployed by a KubeRay `RayService`, see `lockgate.plugins.ray.app`),
     the front attaches to its replicas instead of deploying its own.
     Returns once the replicas have loaded the model; `Model.close()` takes
-    down what this call deployed."""
+    down what this call deployed. `reserve` is not called: the replicas'
+    memory is the cluster's to place, not this server's budget's."""
     from lockgate.plugins.ray.board import ReplicaBoard
     from lockgate.plugins.ray.deployment import (
         RayCluster, ReplicaPlan, board_name, deploy, running_application, undeploy,
@@ -77,14 +79,7 @@ def serve_on_ray(pm: pluggy.PluginManager, settings, progress=None) -> Model:
     from lockgate.plugins.ray.engine import RayEngine
 
     plan = ReplicaPlan.from_settings(settings)
-    chat_template = None if settings.chat_template is None else settings.chat_template.read_text()
-    source = open_model(
-        pm, settings.model, served_name=settings.served_model_name, chat_template=chat_template,
-        tool_call_format=settings.tool_call_format, max_tool_calls=settings.max_tool_calls,
-        reasoning_format=settings.reasoning_format, pooling=settings.pooling, progress=progress,
-        rerank_tokens=settings.rerank_tokens,
-        rerank_template=None if settings.rerank_template is None else settings.rerank_template.read_text(),
-    )
+    source = open_model(pm, settings.model_source, progress=progress, **source_options(settings))
     source.metadata = None
     app_name = application_name(source.name)
     cluster = RayCluster(settings.ray_address)

@@ -19,8 +19,10 @@ import structlog
 
 from lockgate.engine import Delta, EngineObserver, EngineStats, Usage, Work
 from lockgate.engine.client import IteratedHandle
+from lockgate.engine.handle import RecordingObserver
 from lockgate.errors import Overloaded, Unavailable
-from lockgate.plugins.ray.wire import Admitted, Failed, Finished, to_wire
+from lockgate.engine.wire import Admitted, Failed, Finished, to_wire
+from lockgate.plugins.ray.affinity import prefix_hashes
 
 log = structlog.get_logger("lockgate.ray")
 
@@ -98,8 +100,7 @@ class RayEngine:
         while True:
             try:
                 self._replicas, events = await self._board.read.remote()
-                for kind, fields in events:
-                    getattr(self.observer, kind)(**fields)
+                RecordingObserver.replay(events, self.observer)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -127,7 +128,7 @@ class RayEngine:
     async def _submit(self, work: Work) -> "RemoteRequestHandle":
         from ray.serve.exceptions import BackPressureError
 
-        remote = to_wire(work, prefix_affinity=self._prefix_affinity)
+        remote = to_wire(work, prefix_hashes(work.prompt_token_ids) if self._prefix_affinity else ())
         for attempt in range(ADMISSION_ATTEMPTS):
             stream = self._deployment.options(stream=True).generate.remote(remote)
             try:
@@ -176,7 +177,7 @@ class RemoteRequestHandle(IteratedHandle):
                 raise StopAsyncIteration
             message = await self._next_message()
             if isinstance(message, Finished):
-                self.usage.cached_tokens = message.cached_tokens
+                message.complete(self.usage)
                 self.finished = True
                 raise StopAsyncIteration
             if isinstance(message, Failed):

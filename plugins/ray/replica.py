@@ -17,33 +17,13 @@ from typing import Any
 
 import structlog
 
-from lockgate.engine import Delta, EngineObserver
+from lockgate.engine import Delta
+from lockgate.engine.handle import RecordingObserver
 from lockgate.errors import InternalError, LockgateError
 from lockgate.plugins.ray.board import POST_EVERY
-from lockgate.plugins.ray.wire import Admitted, Failed, Finished, RemoteWork, from_wire
+from lockgate.engine.wire import Admitted, Failed, Finished, RemoteWork, from_wire
 
 log = structlog.get_logger("lockgate.ray")
-
-
-class EventRecorder(EngineObserver):
-    """Keeps the engine's metric events until the next post to the board
-    (the front feeds them to its own metrics, so there is one set)."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def request_finished(self, **fields) -> None:
-        self.events.append(("request_finished", fields))
-
-    def preempted(self) -> None:
-        self.events.append(("preempted", {}))
-
-    def prefix_lookup(self, tokens: int, found: int) -> None:
-        self.events.append(("prefix_lookup", {"tokens": tokens, "found": found}))
-
-    def take(self) -> list[tuple[str, dict[str, Any]]]:
-        events, self.events = self.events, []
-        return events
 
 
 class EngineReplica:
@@ -64,7 +44,7 @@ class EngineReplica:
         # compiling or loading the model takes seconds: off the replica's loop
         self.model = await loop.run_in_executor(None, load_model_from_settings, get_plugin_manager(), settings)
         self.engine = self.model.engine
-        self.recorder = EventRecorder()
+        self.recorder = RecordingObserver()
         self.engine.observer = self.recorder
         self.engine.start(loop)
         #: requests this replica admitted since it started (its share, in /health)
@@ -79,13 +59,13 @@ class EngineReplica:
                 "vocab_size": self.model.vocab_size}
 
     async def generate(self, remote: RemoteWork):
-        """The wire messages of one request (see `lockgate.plugins.ray.wire`).
+        """The wire messages of one request (see `lockgate.engine.wire`).
 
         Deltas go out in lists: whatever the engine delivered while the last
         message was on its way goes in the next, so a busy replica sends
         fewer, larger messages (each costs the same few hundred µs in Ray)."""
         try:
-            work = from_wire(remote, self.model.tokenizer, self.model.eos_token_ids)
+            work = from_wire(remote, self.model.grammar_from_source)
             handle = self.engine.add(work)
         except LockgateError as exc:
             yield Failed(exc)
@@ -116,7 +96,7 @@ class EngineReplica:
                     break
             outcome = ended[0]
             if outcome is None:
-                yield Finished(handle.usage.cached_tokens)
+                yield Finished.of(handle.usage)
             elif isinstance(outcome, LockgateError):
                 yield Failed(outcome)
             else:

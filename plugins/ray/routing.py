@@ -3,7 +3,7 @@ replica that served that start before, so its prefix cache has the KV.
 
 A Ray Serve request router (it runs in the front's process, inside the
 deployment handle). Each `RemoteWork` carries chained hashes of its
-prompt's first blocks (`wire.prefix_hashes`); the router remembers which
+prompt's first blocks (`affinity.prefix_hashes`); the router remembers which
 replica each hash went to last and prefers the replica of the longest
 prefix it has seen, if that prefix is at least half of the prompt's
 hashed blocks (a chat template's short preamble, shared by every request,
@@ -21,7 +21,7 @@ from collections import Counter, OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from lockgate.plugins.ray.wire import RemoteWork
+from lockgate.engine.wire import RemoteWork
 
 #: prefixes remembered (least recently routed forgotten first)
 REMEMBERED_PREFIXES = 100_000

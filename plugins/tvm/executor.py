@@ -16,7 +16,7 @@ from lockgate.models.model_file import ModelFile
 from lockgate.plugins.tvm import runtime
 from lockgate.plugins.tvm.call_checks import PAD_ID_BASE as _PAD_ID_BASE, CallerChecks
 from lockgate.plugins.tvm.device_logits import DeviceLogits, View
-from lockgate.plugins.tvm.kv import CPUCache, TVMCache
+from lockgate.plugins.tvm.kv import CPUCache, TVMCache, kv_cache_bytes
 from lockgate.plugins.tvm.settings import TVMOptions
 from lockgate.plugins.tvm.weight_streaming import Uploads
 
@@ -104,6 +104,14 @@ class TVMExecutor(CallerChecks, Executor):
             family.networks.get("tvm") or family.network("tvm"),
         )
         self.device = runtime.device("cuda" if cuda else "cpu")
+        page_size = facts["page_size"]
+        pages = math.ceil(options.max_total_tokens / page_size)
+        buckets = DECODE_BUCKETS if cuda else ()
+        self._set_decode_buckets(buckets)
+        self.memory = {"weights": sum(row["bytes"] for row in self.load_report["formats"]),
+                       "kv_cache": kv_cache_bytes(config, pages + (self._max_pad if cuda else 0), page_size)}
+        if options.reserve is not None:
+            options.reserve(dict(self.memory))
 
         self._progress("loading weights…")
         uploads = Uploads(self.device)
@@ -138,15 +146,12 @@ class TVMExecutor(CallerChecks, Executor):
         self._decode = self._vm["batch_decode"]
         self._decode_one = self._vm["decode_one"]
 
-        page_size = self.page_size = facts["page_size"]
+        self.page_size = page_size
         self.max_num_seqs = options.max_num_seqs
         # a network may bound its chunks (Gemma 3 on CUDA: no longer than its window)
         limit = facts["max_prefill_chunk"]
         self.prefill_chunk_size = min(options.prefill_chunk_size, limit or options.prefill_chunk_size)
         self.shares_prefixes = facts["shares_prefixes"]
-        buckets = DECODE_BUCKETS if cuda else ()
-        self._set_decode_buckets(buckets)
-        pages = math.ceil(options.max_total_tokens / page_size)
         if cuda:
             # Padding sequences hold a page each during a step and none
             # between steps; a decode batch past the buckets is one prefill

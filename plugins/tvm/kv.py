@@ -19,6 +19,12 @@ from lockgate.plugins.tvm import runtime
 from lockgate.plugins.tvm.page_pool import PAGE_SIZE, PagePool
 
 
+def kv_cache_bytes(config, pages: int, page_size: int) -> int:
+    """Bytes of float16 keys and values for `pages` pages of every layer
+    (what either cache allocates for them)."""
+    return 2 * 2 * config.num_layers * pages * config.num_kv_heads * config.head_dim * page_size
+
+
 class CPUCache:
     """Pools of `pages` pages for `config`'s layers, and their pages."""
 

@@ -23,8 +23,8 @@ from lockgate.plugin_api.output import OutputParser
 from lockgate.plugin_api.decoding import decoding_for
 from lockgate.plugin_api.pipeline import count_prompt_tokens
 from lockgate.plugin_api.tool_calls import ToolCall
-from lockgate.server.keys import FIELD_POLICY, MODELS, PLUGIN_MANAGER, REQUEST_ID
-from lockgate.server.protocol import named_message, read_json_body
+from lockgate.server.keys import FIELD_POLICY, PLUGIN_MANAGER, REQUEST_ID
+from lockgate.server.protocol import leased_model, named_message, read_json_body
 from lockgate.server.serving import MergedDeltas, event_stream, generate, total_usage, write_event
 
 #: the routes, relative to the sub-app at `/v1/messages`
@@ -199,7 +199,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's tokens as `/v1/messages` would count them: the same
     parse, validation, template and tokenizer, nothing generated."""
     body = await read_json_body(request)
-    model = request.config_dict[MODELS].resolve(body.get("model"))
+    model = await leased_model(request, body.get("model"))
     typed = parse_messages_request(body, request_id=request[REQUEST_ID], count_only=True,
                                    thinks=model.reasoning_format is not None,
                                    fields=request.config_dict[FIELD_POLICY])

@@ -8,10 +8,10 @@ import time
 
 from aiohttp import web
 
-from lockgate.plugin_api.ollama import parse_ollama_embed
-from lockgate.server.keys import FIELD_POLICY, MODELS, REQUEST_ID
+from lockgate.plugin_api.ollama import parse_ollama_embed, read_keep_alive
+from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
 from lockgate.server.ollama_api.models import model_name, ollama_name
-from lockgate.server.protocol import read_json_body
+from lockgate.server.protocol import keep_alive, leased_model, read_json_body
 from lockgate.server.serving import embed
 
 routes = web.RouteTableDef()
@@ -21,8 +21,9 @@ routes = web.RouteTableDef()
 async def embed_route(request: web.Request) -> web.Response:
     started = time.monotonic_ns()
     body = await read_json_body(request)
-    model = request.config_dict[MODELS].resolve(model_name(body.get("model")))
+    model = await leased_model(request, model_name(body.get("model")))
     typed = parse_ollama_embed(body, request_id=request[REQUEST_ID], fields=request.config_dict[FIELD_POLICY])
+    keep_alive(request, read_keep_alive(body.get("keep_alive"), "keep_alive"))
     vectors, usage = await embed(request, typed, model)
     return web.json_response({
         "model": ollama_name(model),

@@ -25,8 +25,8 @@ from lockgate.plugin_api.ollama import parse_ollama_request
 from lockgate.plugin_api.output import Output
 from lockgate.plugin_api.request import ChatRequest
 from lockgate.plugin_api.tool_calls import ToolCall
-from lockgate.server.keys import FIELD_POLICY, MODELS, REQUEST_ID
-from lockgate.server.protocol import named_message, read_json_body
+from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
+from lockgate.server.protocol import keep_alive, leased_model, named_message, read_json_body
 from lockgate.server.ollama_api.models import model_name, ollama_name
 from lockgate.server.serving import NDJSON, MergedDeltas, event_stream, generate, total_usage, write_frames
 
@@ -144,6 +144,7 @@ def _parse_for(endpoint: str):
     def parse(request: web.Request, body: dict[str, Any], model: Model) -> ChatRequest:
         typed = parse_ollama_request(endpoint, body, request_id=request[REQUEST_ID],
                                      fields=request.config_dict[FIELD_POLICY])
+        keep_alive(request, typed.keep_alive)
         return typed.to_chat(thinks=model.reasoning_format is not None, context_length=model.context_length)
 
     return parse
@@ -157,12 +158,15 @@ async def chat(request: web.Request) -> web.StreamResponse:
 @routes.post("/generate")
 async def generate_text(request: web.Request) -> web.StreamResponse:
     """A prompt, or none: then, as Ollama answers a request that only loads
-    the model, `done_reason` "load" (the body checked all the same)."""
+    the model, it is loaded and `done_reason` is "load", or with
+    `keep_alive` 0 it unloads and `done_reason` is "unload" (the body
+    checked all the same)."""
     body = await read_json_body(request)
     if not body.get("prompt"):
-        model = request.config_dict[MODELS].resolve(model_name(body.get("model")))
-        parse_ollama_request(OLLAMA_GENERATE, body, request_id=request[REQUEST_ID],
-                             fields=request.config_dict[FIELD_POLICY])
+        model = await leased_model(request, model_name(body.get("model")))
+        typed = parse_ollama_request(OLLAMA_GENERATE, body, request_id=request[REQUEST_ID],
+                                     fields=request.config_dict[FIELD_POLICY])
+        keep_alive(request, typed.keep_alive)
         return web.json_response({"model": ollama_name(model), "created_at": now(), "response": "", "done": True,
-                                  "done_reason": "load"})
+                                  "done_reason": "unload" if typed.keep_alive == 0 else "load"})
     return await generate(request, _parse_for(OLLAMA_GENERATE), _answer_for(chat_shape=False), model_name)

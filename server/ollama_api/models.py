@@ -1,9 +1,10 @@
-"""Ollama's model routes: `GET /api/version`, `GET /api/tags` (the models
-served), `POST /api/show` (one model's details: family, parameter count,
-quantization, context length, capabilities, template) and `GET /api/ps`
-(the models loaded: every served model is). The figures come from the
-model's own file: its GGUF header (tensor shapes, file type), its size and
-its SHA-256, read once per model in a worker thread."""
+"""Ollama's model routes: `GET /api/version`, `GET /api/tags` (every model
+served, loaded or not), `POST /api/show` (one model's details: family,
+parameter count, quantization, context length, capabilities, template; it
+loads the model) and `GET /api/ps` (the models loaded, each with when it
+unloads if left idle). The figures come from the model's own file: its
+GGUF header (architecture, tensor shapes, file type), its size and its
+SHA-256, read once per file in a worker thread."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import datetime
 import functools
 import hashlib
 import os
+import time
 from typing import Any
 
 import gguf
@@ -23,8 +25,9 @@ from lockgate.models.gguf_metadata import GGUFMetadata
 from lockgate.plugin_api.pipeline import in_worker
 from lockgate.plugin_api.readers import string
 from lockgate.plugin_api.tool_calls import chat_template_for
+from lockgate.models.slots import READY, ModelSlot
 from lockgate.server.keys import MODELS
-from lockgate.server.protocol import read_json_body
+from lockgate.server.protocol import leased_model, read_json_body
 
 routes = web.RouteTableDef()
 
@@ -34,7 +37,7 @@ OLLAMA_API_VERSION = "0.12.6"
 LATEST = ":latest"
 
 
-def ollama_name(model: Model) -> str:
+def ollama_name(model: Model | ModelSlot) -> str:
     return model.name + LATEST
 
 
@@ -49,7 +52,8 @@ def file_facts(path: str, size: int, mtime: float) -> dict[str, Any]:
     parameter count and quantization (from the GGUF header; a Hugging Face
     directory's safetensors are not read: their count and type are None)."""
     if os.path.isdir(path):
-        return {"size": size, "digest": "", "format": "safetensors", "parameters": None, "quantization": None}
+        return {"size": size, "digest": "", "format": "safetensors", "parameters": None, "quantization": None,
+                "family": None}
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         for block in iter(lambda: file.read(1 << 20), b""):
@@ -61,8 +65,9 @@ def file_facts(path: str, size: int, mtime: float) -> dict[str, Any]:
         quantization = gguf.LlamaFileType(int(file_type.value)).name.removeprefix("MOSTLY_")
     except (AttributeError, TypeError, ValueError):
         quantization = None
+    architecture = header.fields.get("general.architecture")
     return {"size": size, "digest": digest.hexdigest(), "format": "gguf", "parameters": parameters,
-            "quantization": quantization}
+            "quantization": quantization, "family": None if architecture is None else architecture.contents()}
 
 
 def _count(shape) -> int:
@@ -78,26 +83,33 @@ def _size_label(parameters: int | None) -> str:
     return f"{parameters / 1e9:.1f}B" if parameters >= 1e9 else f"{parameters / 1e6:.0f}M"
 
 
-async def facts(model: Model) -> dict[str, Any]:
-    stat = os.stat(model.path)
-    return await in_worker(file_facts, os.fspath(model.path), stat.st_size, stat.st_mtime)
+async def facts(path: os.PathLike | None) -> dict[str, Any]:
+    """`file_facts` of the model at `path` (nothing known without one)."""
+    if path is None:
+        return {"size": 0, "digest": "", "format": "", "parameters": None, "quantization": None, "family": None}
+    stat = os.stat(path)
+    return await in_worker(file_facts, os.fspath(path), stat.st_size, stat.st_mtime)
 
 
-def _modified(model: Model) -> str:
-    return datetime.datetime.fromtimestamp(model.created, datetime.timezone.utc).isoformat()
+def _modified(slot: ModelSlot) -> str:
+    return datetime.datetime.fromtimestamp(slot.created, datetime.timezone.utc).isoformat()
 
 
-def details(model: Model, found: dict[str, Any]) -> dict[str, Any]:
-    family = model.config.architecture
+def details(found: dict[str, Any], family: str | None = None) -> dict[str, Any]:
+    family = family or found["family"] or ""
     return {"parent_model": "", "format": found["format"], "family": family, "families": [family],
             "parameter_size": _size_label(found["parameters"]), "quantization_level": found["quantization"] or ""}
 
 
-async def model_entry(model: Model) -> dict[str, Any]:
+def _path(slot: ModelSlot) -> os.PathLike | None:
+    return slot.loaded.model.path if slot.loaded is not None else slot.plan.path
+
+
+async def model_entry(slot: ModelSlot) -> dict[str, Any]:
     """A model as `/api/tags` and `/api/ps` list it."""
-    found = await facts(model)
-    return {"name": ollama_name(model), "model": ollama_name(model), "modified_at": _modified(model),
-            "size": found["size"], "digest": found["digest"], "details": details(model, found)}
+    found = await facts(_path(slot))
+    return {"name": ollama_name(slot), "model": ollama_name(slot), "modified_at": _modified(slot),
+            "size": found["size"], "digest": found["digest"], "details": details(found)}
 
 
 def capabilities(model: Model) -> list[str]:
@@ -119,17 +131,27 @@ async def version(request: web.Request) -> web.Response:
 
 @routes.get("/tags")
 async def tags(request: web.Request) -> web.Response:
-    return web.json_response({"models": [await model_entry(m) for m in request.config_dict[MODELS]]})
+    return web.json_response({"models": [await model_entry(slot) for slot in request.config_dict[MODELS]]})
+
+
+#: Ollama's `expires_at` for a model that stays loaded
+FOR_GOOD = "2318-01-01T00:00:00Z"
 
 
 @routes.get("/ps")
 async def ps(request: web.Request) -> web.Response:
-    """Every served model is loaded, for as long as the server runs."""
+    """The models loaded now: how much memory their weights and KV cache
+    take (`size`), and when each unloads if left idle."""
     models = []
-    for model in request.config_dict[MODELS]:
-        entry = await model_entry(model)
-        models.append({**entry, "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
-                       "context_length": model.context_length})
+    for slot in request.config_dict[MODELS]:
+        if slot.state != READY or slot.loaded is None:
+            continue
+        entry = await model_entry(slot)
+        expires = slot.loaded.expires
+        expires_at = FOR_GOOD if expires is None else datetime.datetime.fromtimestamp(
+            time.time() + max(0.0, expires - time.monotonic()), datetime.timezone.utc).isoformat()
+        models.append({**entry, "size": slot.memory_bytes or entry["size"], "expires_at": expires_at,
+                       "size_vram": 0, "context_length": slot.loaded.model.context_length})
     return web.json_response({"models": models})
 
 
@@ -139,8 +161,8 @@ async def show(request: web.Request) -> web.Response:
     name = body.get("model", body.get("name"))  # `name`: older clients
     if name is None:
         raise InvalidRequestError("model is required", param="model")
-    model = request.config_dict[MODELS].resolve(model_name(string(name, "model")))
-    found = await facts(model)
+    model = await leased_model(request, model_name(string(name, "model")))
+    found = await facts(model.path)
     config, family = model.config, model.config.architecture
     info = {
         "general.architecture": family,
@@ -156,6 +178,6 @@ async def show(request: web.Request) -> web.Response:
     return web.json_response({
         "modelfile": f"FROM {model.path}\n", "parameters": "", "license": "",
         "template": chat_template_for(model.tokenizer, tools=False) or "",
-        "details": details(model, found), "model_info": info, "capabilities": capabilities(model),
-        "modified_at": _modified(model),
+        "details": details(found, family), "model_info": info, "capabilities": capabilities(model),
+        "modified_at": _modified(request.config_dict[MODELS].slot(model.name)),
     })

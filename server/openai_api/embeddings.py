@@ -6,8 +6,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from lockgate.plugin_api.embeddings import encoded, parse_embedding_request
-from lockgate.server.keys import FIELD_POLICY, MODELS, REQUEST_ID
-from lockgate.server.protocol import read_json_body
+from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
+from lockgate.server.protocol import leased_model, read_json_body
 from lockgate.server.serving import embed
 
 routes = web.RouteTableDef()
@@ -16,7 +16,7 @@ routes = web.RouteTableDef()
 @routes.post("/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
     body = await read_json_body(request)
-    model = request.config_dict[MODELS].resolve(body.get("model"))
+    model = await leased_model(request, body.get("model"))
     typed = parse_embedding_request(body, request_id=request[REQUEST_ID], fields=request.config_dict[FIELD_POLICY])
     vectors, usage = await embed(request, typed, model)
     return web.json_response({

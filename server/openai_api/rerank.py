@@ -18,9 +18,9 @@ from lockgate.plugin_api.fields import RERANK, SCORE
 from lockgate.plugin_api.pipeline import in_worker
 from lockgate.plugin_api.rerank import pair_token_ids, parse_rank_request
 from lockgate.engine.pooling import LAST
-from lockgate.server.keys import FIELD_POLICY, MODELS, REQUEST_ID
+from lockgate.server.keys import FIELD_POLICY, REQUEST_ID
 from lockgate.server.middlewares import require_api_key
-from lockgate.server.protocol import read_json_body
+from lockgate.server.protocol import leased_model, read_json_body
 from lockgate.server.serving import pooled
 
 #: under /v1
@@ -32,7 +32,7 @@ root_routes = web.RouteTableDef()
 async def _scores(request: web.Request, endpoint: str):
     require_api_key(request)
     body = await read_json_body(request)
-    model: Model = request.config_dict[MODELS].resolve(body.get("model"))
+    model: Model = await leased_model(request, body.get("model"))
     typed = parse_rank_request(endpoint, body, request_id=request[REQUEST_ID],
                                fields=request.config_dict[FIELD_POLICY])
     if model.rank_head is None:

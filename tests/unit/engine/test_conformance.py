@@ -18,14 +18,15 @@ from lockgate.engine.executor import Executor
 from lockgate.errors import ModelLoadError
 from lockgate.models.loading import load_served_model, registered_engines, registered_executors
 from lockgate.plugin_api.manager import get_plugin_manager
+from lockgate.plugins.process.engine import ChildEngine, ChildRequestHandle
 from lockgate.plugins.ray.engine import RayEngine, RemoteRequestHandle
 from lockgate.plugins.tvm.executor import TVMExecutor
 from lockgate.server.config import Settings
 
 #: each class that stands for an interface: the built-ins and the suite's doubles
 IMPLEMENTATIONS = [
-    (Engine, EngineClient), (RayEngine, EngineClient),
-    (RequestHandle, Handle), (RemoteRequestHandle, Handle),
+    (Engine, EngineClient), (RayEngine, EngineClient), (ChildEngine, EngineClient),
+    (RequestHandle, Handle), (RemoteRequestHandle, Handle), (ChildRequestHandle, Handle),
     (TVMExecutor, Executor), (FakeExecutor, Executor), (ScriptedExecutor, Executor), (ZeroCostExecutor, Executor),
 ]
 
@@ -37,7 +38,7 @@ def test_each_implementation_conforms(implementation, interface):
 
 def test_every_registered_engine_and_executor_is_checked_here():
     pm = get_plugin_manager(autoload=False)
-    assert set(registered_engines(pm)) == {"local", "ray"}  # Engine, RayEngine above
+    assert set(registered_engines(pm)) == {"local", "ray", "process"}  # Engine, RayEngine, ChildEngine above
     assert set(registered_executors(pm)) == {"tvm"}  # TVMExecutor above
 
 

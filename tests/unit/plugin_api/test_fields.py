@@ -57,8 +57,8 @@ def read_rows(endpoint: str) -> set[str]:
     (TOKENIZE, {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", "tools", "tool_choice",
                 "functions", "function_call", "chat_template_kwargs", "reasoning_effort"}),
     (EMBEDDINGS, readers(EmbeddingRequest)),
-    # read by parse_ollama_embed itself
-    (OLLAMA_EMBED, {"model", "input", "truncate", "dimensions", "options"}),
+    # read by parse_ollama_embed itself, keep_alive by the route
+    (OLLAMA_EMBED, {"model", "input", "truncate", "dimensions", "options", "keep_alive"}),
     (fields.RERANK, readers(RerankRequest)),
     (fields.SCORE, readers(ScoreRequest)),
 ])

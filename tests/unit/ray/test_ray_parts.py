@@ -15,7 +15,8 @@ from lockgate.plugin_api.grammars import compile_json_schema
 from lockgate.errors import ContextLengthExceeded, InvalidSchema, Overloaded
 from lockgate.plugins.ray.deployment import ReplicaPlan, deployment_options
 from lockgate.plugins.ray.routing import PrefixAffinityRouter
-from lockgate.plugins.ray.wire import AFFINITY_BLOCK, RemoteWork, from_wire, prefix_hashes, to_wire
+from lockgate.engine.wire import RemoteWork, from_wire, to_wire
+from lockgate.plugins.ray.affinity import AFFINITY_BLOCK, prefix_hashes
 from lockgate.server.config import Settings
 from lockgate.settings import InvalidSetting
 
@@ -38,9 +39,9 @@ def test_a_grammar_travels_as_its_source(tiny_model):
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
     grammar = compile_json_schema(schema, tiny_model.tokenizer, eos_token_ids=tiny_model.eos_token_ids)
     work = Work("r1", [1, 2, 3], SamplingParams(grammar=grammar, max_tokens=5))
-    remote = pickle.loads(pickle.dumps(to_wire(work, prefix_affinity=False)))
+    remote = pickle.loads(pickle.dumps(to_wire(work)))
     assert remote.work.params.grammar is None and remote.prefix_hashes == ()
-    rebuilt = from_wire(remote, tiny_model.tokenizer, tiny_model.eos_token_ids).params.grammar
+    rebuilt = from_wire(remote, tiny_model.grammar_from_source).params.grammar
     assert rebuilt.source == grammar.source
     width = tiny_model.vocab_size
     original, copy = grammar.matcher(), rebuilt.matcher()
@@ -61,7 +62,7 @@ def test_prefix_hashes_share_exactly_the_shared_blocks():
     assert a[:3] == b[:3] and a[3] != b[3]
     assert prefix_hashes(base[:AFFINITY_BLOCK]) == ()  # no whole block before the last token
     assert prefix_hashes(list(range(5000)))[-1:] == prefix_hashes(list(range(600)))[-1:]  # only the span counts
-    assert to_wire(Work("r", base, SamplingParams()), prefix_affinity=True).prefix_hashes == a
+    assert to_wire(Work("r", base, SamplingParams()), prefix_hashes(base)).prefix_hashes == a
 
 
 def test_replica_plan():

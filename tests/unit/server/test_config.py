@@ -28,7 +28,8 @@ def test_environment_overrides_defaults():
     assert settings.shutdown_grace == 2.5
     assert settings.cache_dir == Path("/tmp/c")
     assert settings.api_keys == ("a", "b")
-    assert Settings.from_env({}).model == "SmolLM2-135M-Instruct"
+    assert Settings.from_env({}).model == ()
+    assert Settings.from_env({}).model_source == "SmolLM2-135M-Instruct"
 
 
 def test_flags_override_environment(monkeypatch):

@@ -56,14 +56,26 @@ def text(index: int, piece: str, finish: str | None = None) -> Delta:
 
 
 class Served:
-    """The one model the app serves: its name is all the skeleton asks of it."""
+    """The one model the app serves (its name is all the skeleton asks of
+    it), leased as `ModelFleet.acquire` leases it."""
 
     name = "m"
 
-    def resolve(self, name):
+    def __init__(self) -> None:
+        self.leases = 0
+
+    async def acquire(self, name):
         if name not in (None, "m"):
             raise InvalidRequestError(f"no model {name!r}", param="model")
+        self.leases += 1
         return self
+
+    @property
+    def model(self):
+        return self
+
+    def release(self) -> None:
+        self.leases -= 1
 
 
 @pytest.fixture
