@@ -9,7 +9,7 @@ import pytest
 
 from lockgate.errors import InvalidRequestError, UnsupportedParameter
 from lockgate.plugin_api.fields import OLLAMA_CHAT, OLLAMA_GENERATE
-from lockgate.plugin_api.ollama import parse_ollama_request, read_ollama_messages, read_options
+from lockgate.plugin_api.ollama import parse_ollama_request, read_keep_alive, read_ollama_messages, read_options
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -94,3 +94,18 @@ def test_generate_is_one_user_turn_after_the_system_prompt():
     with pytest.raises(UnsupportedParameter) as raised:
         parse_ollama_request(OLLAMA_GENERATE, {"model": "m", "prompt": "hi", "raw": True}, request_id="r")
     assert raised.value.param == "raw"
+
+
+@pytest.mark.parametrize("given, seconds", [
+    (300, 300.0), (0, 0.0), (-1, -1.0), ("300", 300.0), ("5m", 300.0), ("1h30m", 5400.0), ("1.5s", 1.5),
+    ("250ms", 0.25), ("-1", -1.0), ("-1m", -60.0), ("0", 0.0), (None, None),
+])
+def test_keep_alive_reads_seconds_and_go_durations(given, seconds):
+    assert read_keep_alive(given, "keep_alive") == seconds
+
+
+@pytest.mark.parametrize("given", ["soon", "5 minutes", "m", "", True, [5], "5m3"])
+def test_keep_alive_that_is_no_duration_is_a_400_naming_it(given):
+    with pytest.raises(InvalidRequestError) as refused:
+        read_keep_alive(given, "keep_alive")
+    assert refused.value.param == "keep_alive" and "duration" in refused.value.message
