@@ -256,7 +256,9 @@ class ModelFleet:
             def progress(message: str) -> None:
                 log.info(message, model=slot.name)
 
-            model = await loop.run_in_executor(None, self._load, slot.plan, progress, reserve)
+            # told only where a budget applies (a plugin's loader may not take it)
+            model = await loop.run_in_executor(None, self._load, slot.plan, progress,
+                                               None if self.memory_budget is None else reserve)
         except Exception as exc:  # noqa: BLE001 - the slot says why; waiting requests get a 503
             slot.error = str(exc) or type(exc).__name__
             slot.state = UNLOADED
@@ -264,6 +266,8 @@ class ModelFleet:
             return slot.error
         else:
             slot.loaded = Loaded(model)
+            memory = model.engine.stats().memory
+            slot.memory = dict(memory) if memory else slot.memory
             slot.error = None
             slot.loads += 1
             slot.state = READY

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -182,14 +183,24 @@ def load_served_model(pm: pluggy.PluginManager, settings, progress: Callable[[st
     if name not in engines:
         known = ", ".join(sorted(engines)) or "none"
         raise ModelLoadError(f"no engine named {name!r} (engines: {known})")
-    # `reserve` only where a budget applies: a loader written before it keeps working
-    extra = {} if reserve is None else {"reserve": reserve}
+    extra = {}
+    if reserve is not None:
+        # only where a budget applies: a loader written before it keeps working without one
+        if not _takes(engines[name].load, "reserve"):
+            raise ModelLoadError(f"the engine {name!r} cannot keep to a memory budget (its loader takes no "
+                                 "`reserve`): serve its models without --models-memory")
+        extra["reserve"] = reserve
     model = engines[name].load(pm, settings, progress or (lambda message: None), **extra)
     problems = conformance_problems(model.engine, EngineClient)
     if problems:
         model.close()
         raise ModelLoadError(f"the engine {name!r} does not implement EngineClient: {'; '.join(problems)}")
     return model
+
+
+def _takes(function: Callable, name: str) -> bool:
+    parameters = inspect.signature(function).parameters.values()
+    return any(p.name == name or p.kind == p.VAR_KEYWORD for p in parameters)
 
 
 def registered_families(pm: pluggy.PluginManager) -> ModelFamilies:

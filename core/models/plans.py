@@ -24,8 +24,9 @@ default model is served.
 
 One model is loaded at start-up and runs in this process (the engine
 `--engine` chooses), as a single-model server always has. Several run each
-in a child process of its own (the engine `process`, unless `--engine` or
-the preset says otherwise), loaded on first use.
+in a child process of its own (the engine `process`, unless `--engine`, a
+setting that chooses an engine such as `--replicas`, or the preset says
+otherwise), loaded on first use.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import pluggy
 
 from lockgate.errors import ModelLoadError
 from lockgate.models.slots import ModelPlan
-from lockgate.models.loading import registered_models
+from lockgate.models.loading import chosen_engine, registered_engines, registered_models
 from lockgate.settings import DEFAULT_MODEL, InvalidSetting, Setting, get_setting, split_model_entry
 
 #: settings of the whole server, which a preset's model may not set
@@ -69,6 +70,7 @@ def model_plans(settings, pm: pluggy.PluginManager, table) -> list[ModelPlan]:
     if several and settings.served_model_name is not None:
         raise InvalidSetting("--served-model-name names one model; with several, name each as --model NAME=MODEL")
     specs = registered_models(pm)
+    engines = registered_engines(pm)
     plans = []
     for entry in entries:
         spec = specs.get(entry.source)
@@ -76,10 +78,10 @@ def model_plans(settings, pm: pluggy.PluginManager, table) -> list[ModelPlan]:
         aliases = tuple(entry.aliases)
         if spec is not None:
             aliases += tuple(a for a in (spec.name, *spec.aliases) if a != name)
-        values = dict(entry.settings)
-        if several and settings.engine is None and "engine" not in values:
-            values["engine"] = SEVERAL_MODELS_ENGINE
-        per_model = settings.replaced(model=(entry.source,), served_model_name=name, **values)
+        per_model = settings.replaced(model=(entry.source,), served_model_name=name, **entry.settings)
+        if several and per_model.engine is None and chosen_engine(per_model, engines) == "local":
+            # a setting that chooses an engine (`--replicas`) keeps its say
+            per_model = per_model.replaced(engine=SEVERAL_MODELS_ENGINE)
         idle_ttl = entry.settings.get("idle_ttl", settings.idle_ttl)
         pinned = entry.pinned if entry.pinned is not None else (not several and idle_ttl is None)
         plans.append(ModelPlan(name, per_model, aliases=aliases, idle_ttl=idle_ttl, pinned=pinned,

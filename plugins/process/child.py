@@ -14,13 +14,17 @@ loop turn's worth):
   `("figures", stats, events)`.
 
 The child ends when told to stop or when the front goes away (the pipe
-reads EOF), so a front that dies leaves no model process behind.
+reads EOF), so a front that dies leaves no model process behind. It runs in
+a session of its own and ignores SIGINT and SIGTERM: a service manager
+that signals every process of the server stops the front, which stops its
+models after their requests' grace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -46,6 +50,8 @@ def run_child(conn) -> None:
     from lockgate.logging import configure_logging
     from lockgate.models import load_model_from_settings
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     path, settings, recipe = conn.recv()
     # the front's modules (a plugin that is not installed, a test's helpers) import here too
     sys.path[:] = path

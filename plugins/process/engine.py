@@ -84,8 +84,10 @@ class ChildEngine:
         # without a `__main__` guard would run twice).
         ours, theirs = socket.socketpair()
         with theirs:
+            # a session of its own: a terminal's Ctrl-C stops the front, which
+            # stops its models in order, rather than every process at once
             process = subprocess.Popen([sys.executable, "-m", "lockgate.plugins.process.child", str(theirs.fileno())],
-                                       pass_fds=[theirs.fileno()])
+                                       pass_fds=[theirs.fileno()], start_new_session=True)
         conn = Connection(ours.detach())
         started = time.monotonic()
         try:

@@ -406,7 +406,7 @@ class CountedEngines:
 
         def load(pm, settings, progress):
             progress("loading through the counted engine")
-            self.loads.append(settings.model)
+            self.loads.append(settings.model_source)
             return load_model_from_settings(pm, settings, progress)
 
         register("counted", load)
@@ -434,7 +434,7 @@ def test_an_unknown_engine_is_refused_naming_those_there_are(tiny_gguf):
     from lockgate.models import load_served_model
     from lockgate.server.config import Settings
 
-    with pytest.raises(ModelLoadError, match=r"no engine named 'nope' \(engines: local, ray\)"):
+    with pytest.raises(ModelLoadError, match=r"no engine named 'nope' \(engines: local, process, ray\)"):
         load_served_model(get_plugin_manager(autoload=False), Settings(model=str(tiny_gguf), engine="nope"))
 
 

@@ -81,3 +81,21 @@ def test_the_loader_refuses_an_engine_plugin_that_does_not_conform():
     with pytest.raises(ModelLoadError, match="engine 'lacking' does not implement EngineClient: .*start does not take"):
         load_served_model(pm, Settings(engine="lacking"))
     assert closed == [True]  # what it loaded is released
+
+
+def test_a_loader_without_reserve_loads_but_not_under_a_memory_budget():
+    calls = []
+
+    class Plugin:
+        @hookimpl
+        def lockgate_register_engines(self, register):
+            # written before `reserve=` existed
+            register("older", lambda pm, settings, progress: calls.append(settings.model_source))
+
+    pm = get_plugin_manager(autoload=False, plugins=[Plugin()])
+    with pytest.raises(ModelLoadError, match="'older' cannot keep to a memory budget"):
+        load_served_model(pm, Settings(engine="older", model="m.gguf"), reserve=lambda memory: None)
+    assert calls == []  # refused before it loaded anything
+    with pytest.raises(AttributeError):  # called without one (and returns nothing a server could serve)
+        load_served_model(pm, Settings(engine="older", model="m.gguf"))
+    assert calls == ["m.gguf"]

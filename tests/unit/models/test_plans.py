@@ -44,9 +44,12 @@ def test_several_models_each_run_in_a_process_of_their_own_loaded_on_first_use(p
         assert plan.settings.max_total_tokens == 1024
         assert plan.settings.served_model_name == plan.name
     assert plans["chat"].settings.model_source == "/m/qwen.gguf"
-    # an engine named keeps its say
+    # an engine named keeps its say, and so does a setting that chooses one
     assert all(p.settings.engine == "local" for p in plans_of(pm, model=("a=/a.gguf", "b=/b.gguf"),
                                                               engine="local").values())
+    replicated = Settings.of(model=("a=/a.gguf", "b=/b.gguf"), replicas="2")
+    assert all(p.settings.engine is None and p.settings.replicas == "2"
+               for p in model_plans(replicated, pm, settings_table(pm)))
 
 
 def test_two_models_of_one_name_are_refused(pm):
