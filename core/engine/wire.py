@@ -17,6 +17,9 @@ from lockgate.engine.handle import Usage
 from lockgate.engine.structured import Grammar
 from lockgate.engine.work import Work
 
+#: seconds a front waits for an engine elsewhere to admit or refuse a work
+ADMISSION_TIMEOUT = 120.0
+
 
 @dataclasses.dataclass(frozen=True)
 class RemoteWork:

@@ -28,13 +28,11 @@ import structlog
 
 from lockgate.engine import EngineObserver, EngineStats, Work
 from lockgate.engine.handle import END, RecordingObserver, RequestHandle
-from lockgate.engine.wire import to_wire
+from lockgate.engine.wire import ADMISSION_TIMEOUT, to_wire
 from lockgate.errors import ModelLoadError, Unavailable
 
 log = structlog.get_logger("lockgate.process")
 
-#: seconds `add` waits for the child to admit or refuse the work
-ADMISSION_TIMEOUT = 120.0
 #: seconds `close` waits for the child to end before it is killed
 EXIT_TIMEOUT = 10.0
 

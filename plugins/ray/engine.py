@@ -21,13 +21,11 @@ from lockgate.engine import Delta, EngineObserver, EngineStats, Usage, Work
 from lockgate.engine.client import IteratedHandle
 from lockgate.engine.handle import RecordingObserver
 from lockgate.errors import Overloaded, Unavailable
-from lockgate.engine.wire import Admitted, Failed, Finished, to_wire
+from lockgate.engine.wire import ADMISSION_TIMEOUT, Admitted, Failed, Finished, to_wire
 from lockgate.plugins.ray.affinity import prefix_hashes
 
 log = structlog.get_logger("lockgate.ray")
 
-#: seconds `add` waits for a replica to admit or refuse the work
-ADMISSION_TIMEOUT = 120.0
 #: replicas tried for one request when the one chosen dies before answering
 ADMISSION_ATTEMPTS = 3
 

@@ -108,7 +108,10 @@ class TVMExecutor(CallerChecks, Executor):
         pages = math.ceil(options.max_total_tokens / page_size)
         buckets = DECODE_BUCKETS if cuda else ()
         self._set_decode_buckets(buckets)
-        self.memory = {"weights": sum(row["bytes"] for row in self.load_report["formats"]),
+        # what the uploads below allocate: every parameter the library takes, norms included
+        weight_bytes = sum(math.prod(shape) * np.dtype(self.compiled.dtypes[name]).itemsize
+                           for name, shape in self.compiled.params)
+        self.memory = {"weights": weight_bytes,
                        "kv_cache": kv_cache_bytes(config, pages + (self._max_pad if cuda else 0), page_size)}
         if options.reserve is not None:
             options.reserve(dict(self.memory))

@@ -159,7 +159,7 @@ async def test_the_memory_budget_swaps_models_and_a_model_past_it_is_a_503(serve
     a = await complete(sdk, "a")
     await complete(sdk, "b")
     assert {n: s["value"] for n, s in (await states(client)).items()} == {"a": "unloaded", "b": "ready"}
-    assert (await states(client))["b"]["memory"] == {"weights": 371456, "kv_cache": 1 << 20}
+    assert (await states(client))["b"]["memory"] == {"weights": 372736, "kv_cache": 1 << 20}
     assert await complete(sdk, "a") == a
     await sdk.close()
 

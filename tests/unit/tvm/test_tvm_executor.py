@@ -613,3 +613,21 @@ def test_f16_weights_are_read_without_widening(tiny_files):
     tensors.release_pages()
     np.testing.assert_array_equal(view, before)
     np.testing.assert_array_equal(widened, before.astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["F32", "Q4_1", "Q4_K"])
+def test_what_the_executor_reserves_is_what_it_allocates(kind, tiny_files, compile_cache, tmp_path):
+    """A server's memory budget counts `ExecutorOptions.reserve`'s figures,
+    told before the load: the bytes of the weights as uploaded (packed parts
+    included) and of the KV pools, exactly."""
+    from tiny_model import KQUANT_CONFIG
+
+    path = tiny_files.get(kind) or write_tiny_gguf(tmp_path / "k.gguf", tensor_type=kind, **KQUANT_CONFIG)
+    reserved = []
+    ex = make_executor(path, compile_cache, reserve=reserved.append)
+    try:
+        weights = sum(np.from_dlpack(param).nbytes for param in ex._params)
+        kv = ex._kv._k_np.nbytes + ex._kv._v_np.nbytes
+        assert reserved == [ex.memory] == [{"weights": weights, "kv_cache": kv}]
+    finally:
+        ex.close()
