@@ -85,7 +85,8 @@ class ModelFleet:
         self.retry_after = retry_after
         self._on_ready = on_ready
         self._on_unloaded = on_unloaded
-        self._changed: asyncio.Condition | None = None
+        #: set, and replaced by a new one, whenever a slot changes (`_notify`)
+        self._changed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reaper: asyncio.Task | None = None
         self._closing = False
@@ -133,7 +134,7 @@ class ModelFleet:
         """Begin on the running loop: load the pinned models (a failure
         stops start-up) and watch the idle ones' TTLs."""
         self._loop = asyncio.get_running_loop()
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()
         self._closing = False
         for slot in self:
             if slot.state == READY:  # handed over loaded
@@ -151,9 +152,12 @@ class ModelFleet:
         self._closing = True
         if self._reaper is not None:
             self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
         for slot in self:
             if slot.loading is not None:
                 await asyncio.wait([slot.loading])
+        while any(slot.state == DRAINING for slot in self):  # unloads under way end first
+            await self._wait_changed(1.0)
         await asyncio.gather(*(self._unload(slot, "shutdown", grace=0.0) for slot in self if slot.state == READY))
 
     # ----------------------------------------------------------- requests
@@ -178,7 +182,8 @@ class ModelFleet:
             load = slot.loading
             if load is not None and left > 0:
                 try:
-                    failure = await asyncio.wait_for(asyncio.shield(load), left)
+                    async with asyncio.timeout(left):
+                        failure = await asyncio.shield(load)
                 except TimeoutError:
                     left = 0
                 else:
@@ -187,8 +192,7 @@ class ModelFleet:
                                           retry_after=self.retry_after)
                     continue
             elif left > 0:  # draining: loaded again once it is out
-                async with self._changed:
-                    await self._wait_changed(left)
+                await self._wait_changed(left)
                 continue
             raise Unavailable(slot.waiting_for_room or f"the model {slot.name!r} is {slot.state} and not ready "
                               "yet; retry shortly", retry_after=self.retry_after)
@@ -230,8 +234,7 @@ class ModelFleet:
         if slot.state == READY:
             await self._unload(slot, "requested", grace=self.drain_grace)
         while slot.state == DRAINING:
-            async with self._changed:
-                await self._wait_changed(1.0)
+            await self._wait_changed(1.0)
         return slot
 
     # ----------------------------------------------------------- loading
@@ -309,30 +312,29 @@ class ModelFleet:
         under the count and, with `need` bytes, under the memory budget;
         waits for a model to go idle while none is, up to `load_wait`."""
         deadline = time.monotonic() + self.load_wait
-        async with self._changed:
-            while True:
-                others = [s for s in self if s is not slot and s.holds_memory]
-                over = self._over(others, need)
-                if over is None:
-                    return
-                # what is unloading already makes room once it is out
-                if self._over([s for s in others if s.state != DRAINING], need) is None:
-                    await self._wait_changed(1.0)
-                    continue
-                victim = self._least_recently_used_idle(exclude=slot)
-                if victim is not None:
-                    log.info("unloading to make room", model=victim.name, for_model=slot.name, reason=over)
-                    _detached(self._unload(victim, "room", grace=0.0))
-                    await self._wait_changed(1.0)
-                    continue
-                busy = ", ".join(s.name for s in others)
-                slot.waiting_for_room = f"no room to load {slot.name!r}: every loaded model ({busy}) is busy " \
-                    "or pinned; retry shortly"
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Unavailable(slot.waiting_for_room, retry_after=self.retry_after)
-                await self._wait_changed(left)
-                slot.waiting_for_room = None
+        while True:
+            others = [s for s in self if s is not slot and s.holds_memory]
+            over = self._over(others, need)
+            if over is None:
+                return
+            # what is unloading already makes room once it is out
+            if self._over([s for s in others if s.state != DRAINING], need) is None:
+                await self._wait_changed(1.0)
+                continue
+            victim = self._least_recently_used_idle(exclude=slot)
+            if victim is not None:
+                log.info("unloading to make room", model=victim.name, for_model=slot.name, reason=over)
+                self._unload(victim, "room", grace=0.0)
+                await self._wait_changed(1.0)
+                continue
+            busy = ", ".join(s.name for s in others)
+            slot.waiting_for_room = f"no room to load {slot.name!r}: every loaded model ({busy}) is busy " \
+                "or pinned; retry shortly"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(slot.waiting_for_room, retry_after=self.retry_after)
+            await self._wait_changed(left)
+            slot.waiting_for_room = None
 
     def _over(self, others: list[ModelSlot], need: int) -> str | None:
         """Which limit one more model of `need` bytes beside `others` is
@@ -350,17 +352,25 @@ class ModelFleet:
 
     # ----------------------------------------------------------- unloading
 
-    async def _unload(self, slot: ModelSlot, reason: str, *, grace: float) -> None:
+    def _unload(self, slot: ModelSlot, reason: str, *, grace: float) -> asyncio.Future:
+        """Begin unloading a ready `slot`: it drains from now on (no new
+        leases; its requests get `grace` seconds), and a task of its own
+        (never cut short by whoever began it) stops and closes the model.
+        What to await for the unload's end (done at once where the slot was
+        not ready)."""
         if slot.state != READY or slot.loaded is None:
-            return
-        loaded = slot.loaded
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
         slot.state = DRAINING
         self._notify()
+        return _detached(self._drain_and_stop(slot, slot.loaded, reason, grace))
+
+    async def _drain_and_stop(self, slot: ModelSlot, loaded: Loaded, reason: str, grace: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + grace
-        async with self._changed:
-            while loaded.leases > 0 and time.monotonic() < deadline:
-                await self._wait_changed(deadline - time.monotonic())
+        while loaded.leases > 0 and time.monotonic() < deadline:
+            await self._wait_changed(deadline - time.monotonic())
         log.info("unloading model", model=slot.name, reason=reason, running=loaded.leases)
         # a model handed over loaded is closed by whoever loaded it
         await loop.run_in_executor(None, _stop, loaded.model, slot.plan.settings is not None)
@@ -385,9 +395,8 @@ class ModelFleet:
                 loaded = slot.loaded
                 if slot.state == READY and loaded is not None and loaded.leases == 0 \
                         and loaded.expires is not None and loaded.expires <= now:
-                    await self._unload(slot, "idle", grace=0.0)
-            async with self._changed:
-                await self._wait_changed(self._next_expiry() - time.monotonic())
+                    self._unload(slot, "idle", grace=0.0)
+            await self._wait_changed(self._next_expiry() - time.monotonic())
 
     def _next_expiry(self) -> float:
         times = [s.loaded.expires for s in self if s.state == READY and s.loaded is not None
@@ -397,23 +406,22 @@ class ModelFleet:
     # ----------------------------------------------------------- waiting
 
     def _notify(self) -> None:
-        """Wake whatever waits on a change (from the loop, without the lock)."""
-        if self._changed is None:
-            return
-
-        async def notify() -> None:
-            async with self._changed:
-                self._changed.notify_all()
-
-        asyncio.ensure_future(notify())
+        """Wake whatever waits for a change (`_wait_changed`)."""
+        if self._changed is not None:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
 
     async def _wait_changed(self, timeout: float) -> bool:
-        """Wait (holding the condition) for a change, up to `timeout` seconds;
-        False when none came."""
+        """Wait for the next change, up to `timeout` seconds; False when
+        none came. Called with no await since the state it saw was read,
+        so no change between the two is missed."""
         if timeout <= 0:
             return False
         try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
+            # `asyncio.timeout`, not `wait_for`: 3.11's `wait_for` can miss a
+            # cancellation that comes as the event is set, and hang its task
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
         except TimeoutError:
             return False
         return True
