@@ -4,7 +4,7 @@ mid-stream.
 
 Two real set-ups, two engine replicas each on the tiny model:
 * `ray_server`: `lockgate serve --replicas 2 --ray-address local`, which
-  starts Ray and deploys the replicas itself;
+  starts Ray and deploys the replicas itself (on the slow executor);
 * `attached_server`: the replicas deployed as deploy/kuberay-rayservice.yaml's
   `serveConfigV2` says (by `ray_app_driver.py`, as a RayService would), and
   `lockgate serve --ray-address ADDRESS` attaching to them.
@@ -40,7 +40,7 @@ EXECUTOR_FLAGS = [f"--{key.replace('_', '-')}={value}" for key, value in TINY_EX
 MANIFEST = ROOT / "deploy" / "kuberay-rayservice.yaml"
 ENV = {
     **os.environ,
-    "LOCKGATE_PLUGINS": "poisoned_executor",
+    "LOCKGATE_PLUGINS": "poisoned_executor,slow_executor",
     "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
     "RAY_AUTH_MODE": "disabled",
 }
@@ -102,7 +102,9 @@ class RayServer:
 
 @pytest.fixture(scope="module")
 def ray_server(tiny_gguf, tmp_path_factory):
-    server = RayServer(tiny_gguf, tmp_path_factory.mktemp("ray"))
+    # the slow executor (the real one, 10 ms more a decode step): a stream
+    # is still running when a test kills its replica
+    server = RayServer(tiny_gguf, tmp_path_factory.mktemp("ray"), "--executor", "slow")
     yield server
     server.stop()
 
@@ -366,7 +368,8 @@ async def test_a_replica_killed_mid_stream(ray_server):
     assert ended_in < 60
     # new requests succeed at once, on the survivors, while the server stays healthy
     assert ray_server.health()[0] == 200
-    reply = await remote.completions.create(model="tiny", prompt="after", max_tokens=3)
+    reply = await remote.completions.create(model="tiny", prompt="after", max_tokens=3,
+                                            extra_body={"ignore_eos": True})
     assert reply.choices[0].finish_reason == "length"
     await remote.close()
     # and Ray Serve brings the replica back
