@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import structlog
 
 from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound, Unavailable
+from lockgate.memory import trim_allocator
 from lockgate.models.loading import Model
 from lockgate.models.slots import DRAINING, LOADING, READY, UNLOADED, Lease, Loaded, ModelPlan, ModelSlot
 
@@ -378,6 +380,8 @@ class ModelFleet:
         slot.state = UNLOADED
         self._on_unloaded(loaded.model)
         self._notify()
+        loaded = None  # the last reference here: what the model held goes with the reclaim
+        await loop.run_in_executor(None, _reclaim)
 
     async def _lost(self, slot: ModelSlot, model: Model, reason: str) -> None:
         """`model`'s engine died under it: the slot unloads, and the next
@@ -439,6 +443,16 @@ def _stop(model: Model, close: bool) -> None:
     model.engine.shutdown(0.0)
     if close:
         model.close()
+    if hasattr(model.engine, "on_exit"):
+        model.engine.on_exit = None  # the fleet's callback: a cycle through the model
+
+
+def _reclaim() -> None:
+    """What this process held of an unloaded model (its tokenizer, its
+    grammar engine's vocabulary: tens of MiB for a 150k-token vocabulary)
+    goes back to the system, not to the allocator's free lists."""
+    gc.collect()
+    trim_allocator()
 
 
 def _cannot_load(plan: ModelPlan, progress, reserve) -> Model:
