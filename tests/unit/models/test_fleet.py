@@ -246,14 +246,15 @@ async def test_an_unload_drains_running_requests_first():
     loader = Loader()
     fleet = await fleet_of(["a"], loader, drain_grace=5)
     lease = await fleet.acquire("a")
+    first = loader.models["a"]
     unloading = asyncio.ensure_future(fleet.unload("a"))
     await asyncio.sleep(0.1)
-    assert states(fleet)["a"] == DRAINING and not loader.models["a"].engine.stopped
+    assert states(fleet)["a"] == DRAINING and not first.engine.stopped
     # a request during the drain waits for the unload, then loads it again
     next_request = asyncio.ensure_future(fleet.acquire("a"))
     lease.release()
     await unloading
-    assert loader.models["a"].closed
+    assert first.closed
     again = await next_request
     assert loader.loads == ["a", "a"]
     again.release()
