@@ -279,6 +279,28 @@ class ModelSource:
         )
 
 
+def locate_model(specs: dict[str, ModelSpec], model: str,
+                 served_name: str | None = None) -> tuple[Path, str, tuple[str, ...]]:
+    """Where `model` is (a registered name or alias, a GGUF file, or a Hugging
+    Face model directory), the name it is known by (its spec's, or the
+    file's without `.gguf`) and the other names it answers to besides
+    `served_name`. Raises `ModelLoadError` saying what is not there."""
+    from lockgate.models import hf
+
+    if model in specs:
+        spec = specs[model]
+        return Path(spec.locate()), spec.name, tuple(a for a in (spec.name, *spec.aliases)
+                                                     if a != (served_name or spec.name))
+    path = Path(model).expanduser()
+    if not path.is_file() and not hf.is_hf_directory(path):
+        known = ", ".join(sorted({s.name for s in specs.values()})) or "none"
+        raise ModelLoadError(
+            f"{model!r} is neither a registered model (known: {known}), a GGUF file, "
+            "nor a model directory with a config.json"
+        )
+    return path, path.name.removesuffix(".gguf"), ()
+
+
 def open_model(
     pm: pluggy.PluginManager,
     model: str,
@@ -303,22 +325,7 @@ def open_model(
     from lockgate.models.gguf_metadata import GGUFMetadata
     from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
 
-    specs = registered_models(pm)
-    aliases: tuple[str, ...] = ()
-    if model in specs:
-        spec = specs[model]
-        path = Path(spec.locate())
-        name = spec.name
-        aliases = tuple(a for a in (spec.name, *spec.aliases) if a != (served_name or spec.name))
-    else:
-        path = Path(model).expanduser()
-        if not path.is_file() and not hf.is_hf_directory(path):
-            known = ", ".join(sorted({s.name for s in specs.values()})) or "none"
-            raise ModelLoadError(
-                f"{model!r} is neither a registered model (known: {known}), a GGUF file, "
-                "nor a model directory with a config.json"
-            )
-        name = path.name.removesuffix(".gguf")
+    path, name, aliases = locate_model(registered_models(pm), model, served_name)
     formats = registered_tool_call_formats(pm)
     (progress or (lambda message: None))(f"reading {path}")
     families = registered_families(pm)

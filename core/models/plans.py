@@ -39,7 +39,7 @@ import pluggy
 
 from lockgate.errors import ModelLoadError
 from lockgate.models.slots import ModelPlan
-from lockgate.models.loading import chosen_engine, registered_engines, registered_models
+from lockgate.models.loading import chosen_engine, locate_model, registered_engines, registered_models
 from lockgate.settings import DEFAULT_MODEL, InvalidSetting, Setting, get_setting, split_model_entry
 
 #: settings of the whole server, which a preset's model may not set
@@ -56,9 +56,9 @@ SEVERAL_MODELS_ENGINE = "process"
 
 def model_plans(settings, pm: pluggy.PluginManager, table) -> list[ModelPlan]:
     """Every model `settings` name, with the settings each loads with.
-    Raises `InvalidSetting` for a preset that does not read, and
-    `ModelLoadError` for a models folder that is not one or two models of
-    one name."""
+    Raises `InvalidSetting` for a preset that does not read or two models of
+    one name, and `ModelLoadError` for a model that is not there or a
+    models folder that holds none."""
     entries = [_Entry(*split_model_entry(entry)) for entry in settings.model]
     if settings.models_dir is not None:
         entries += _folder_entries(settings.models_dir)
@@ -73,19 +73,18 @@ def model_plans(settings, pm: pluggy.PluginManager, table) -> list[ModelPlan]:
     engines = registered_engines(pm)
     plans = []
     for entry in entries:
-        spec = specs.get(entry.source)
-        name = entry.name or settings.served_model_name or _name_of(entry.source, spec)
-        aliases = tuple(entry.aliases)
-        if spec is not None:
-            aliases += tuple(a for a in (spec.name, *spec.aliases) if a != name)
+        # a file that is not there stops start-up, as one model's load would
+        given_name = entry.name or settings.served_model_name
+        path, found_name, found_aliases = locate_model(specs, entry.source, given_name)
+        name = given_name or found_name
+        aliases = tuple(entry.aliases) + found_aliases
         per_model = settings.replaced(model=(entry.source,), served_model_name=name, **entry.settings)
         if several and per_model.engine is None and chosen_engine(per_model, engines) == "local":
             # a setting that chooses an engine (`--replicas`) keeps its say
             per_model = per_model.replaced(engine=SEVERAL_MODELS_ENGINE)
         idle_ttl = entry.settings.get("idle_ttl", settings.idle_ttl)
         pinned = entry.pinned if entry.pinned is not None else (not several and idle_ttl is None)
-        plans.append(ModelPlan(name, per_model, aliases=aliases, idle_ttl=idle_ttl, pinned=pinned,
-                               path=_path_of(entry.source, spec)))
+        plans.append(ModelPlan(name, per_model, aliases=aliases, idle_ttl=idle_ttl, pinned=pinned, path=path))
     names = [plan.name for plan in plans]
     for name in names:
         if names.count(name) > 1:
@@ -102,21 +101,6 @@ class _Entry:
         self.settings = settings or {}
         self.pinned = pinned
         self.aliases = aliases
-
-
-def _name_of(source: str, spec) -> str:
-    if spec is not None:
-        return spec.name
-    return Path(source).expanduser().name.removesuffix(".gguf")
-
-
-def _path_of(source: str, spec) -> Path | None:
-    if spec is None:
-        return Path(source).expanduser()
-    try:
-        return Path(spec.locate())
-    except ModelLoadError:  # not installed: its load will say how to get it
-        return None
 
 
 def _folder_entries(folder: Path) -> list[_Entry]:
