@@ -39,5 +39,7 @@ COUNTED = web.RequestKey("lockgate_counted", bool)
 HANDLES = web.RequestKey("lockgate_handles", list)
 #: per-request: token counts for the summary line
 USAGE = web.RequestKey("lockgate_usage", Usage)
+#: per-request: set when the client left mid-answer (its summary line and counter say 499)
+CLIENT_LEFT = web.RequestKey("lockgate_client_left", bool)
 #: per-request: its holds on the models it uses (`ModelFleet.acquire`), released when it ends
 LEASES = web.RequestKey("lockgate_leases", list)

@@ -25,7 +25,7 @@ from aiohttp import web
 from lockgate.errors import AuthenticationError, OriginNotAllowed
 from lockgate.memory import LARGE_BODY_BYTES
 from lockgate.server.keys import (
-    COUNTED, ERROR_ANSWER, HANDLES, METRICS, PIPELINE_REQUEST, REQUEST_ID, SETTINGS, TRIMMER, USAGE,
+    CLIENT_LEFT, COUNTED, ERROR_ANSWER, HANDLES, METRICS, PIPELINE_REQUEST, REQUEST_ID, SETTINGS, TRIMMER, USAGE,
 )
 from lockgate.server.protocol import error_body_for, error_response, release_leases
 
@@ -52,7 +52,8 @@ async def request_id_middleware(request: web.Request, handler):
     status = 0
     try:
         response = await handler(request)
-        status = response.status
+        # a stream whose client left was answered 200 before it went
+        status = 499 if request.get(CLIENT_LEFT) else response.status
         return response
     except asyncio.CancelledError:
         status = 499  # the client went away

@@ -34,7 +34,7 @@ from lockgate.models import Model
 from lockgate.plugin_api.embeddings import EmbeddingPrompts, EmbeddingRequest, normalized
 from lockgate.plugin_api.pipeline import run_pipeline
 from lockgate.plugin_api.request import GenerationRequest
-from lockgate.server.keys import HANDLES, PIPELINE_REQUEST, PLUGIN_MANAGER, USAGE
+from lockgate.server.keys import CLIENT_LEFT, HANDLES, PIPELINE_REQUEST, PLUGIN_MANAGER, USAGE
 from lockgate.server.protocol import error_response, leased_model, read_json_body
 
 log = structlog.get_logger("lockgate.server")
@@ -300,11 +300,13 @@ async def event_stream(
         await write(response, deltas)
     except ConnectionResetError:  # gone, or too slow (ClientTooSlow)
         log.info("client disconnected mid-stream")
+        request[CLIENT_LEFT] = True
         return response
     except Exception as exc:
         try:
             await write_error(response, error_response(request, exc))
         except ConnectionResetError:
+            request[CLIENT_LEFT] = True
             return response
     finally:
         deltas.close()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import gc
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,9 +35,10 @@ from typing import Any
 import structlog
 
 from lockgate.errors import InvalidRequestError, ModelLoadError, ModelNotFound, Unavailable
-from lockgate.memory import trim_allocator
 from lockgate.models.loading import Model
-from lockgate.models.slots import DRAINING, LOADING, READY, UNLOADED, Lease, Loaded, ModelPlan, ModelSlot
+from lockgate.models.slots import (
+    DRAINING, LOADING, READY, UNLOADED, Lease, Loaded, ModelPlan, ModelSlot, reclaim_memory,
+)
 
 log = structlog.get_logger("lockgate.models")
 
@@ -375,13 +375,13 @@ class ModelFleet:
             await self._wait_changed(deadline - time.monotonic())
         log.info("unloading model", model=slot.name, reason=reason, running=loaded.leases)
         # a model handed over loaded is closed by whoever loaded it
-        await loop.run_in_executor(None, _stop, loaded.model, slot.plan.settings is not None)
+        await loop.run_in_executor(None, loaded.stop, slot.plan.settings is not None)
         slot.loaded = None
         slot.state = UNLOADED
         self._on_unloaded(loaded.model)
         self._notify()
         loaded = None  # the last reference here: what the model held goes with the reclaim
-        await loop.run_in_executor(None, _reclaim)
+        await loop.run_in_executor(None, reclaim_memory)
 
     async def _lost(self, slot: ModelSlot, model: Model, reason: str) -> None:
         """`model`'s engine died under it: the slot unloads, and the next
@@ -436,23 +436,6 @@ def _detached(coroutine) -> asyncio.Task:
     set it off (a load serves every request that waits for it: its log
     lines carry no one request's id)."""
     return asyncio.get_running_loop().create_task(coroutine, context=contextvars.Context())
-
-
-def _stop(model: Model, close: bool) -> None:
-    """Stop `model`'s engine (what still runs fails with 503), and close it."""
-    model.engine.shutdown(0.0)
-    if close:
-        model.close()
-    if hasattr(model.engine, "on_exit"):
-        model.engine.on_exit = None  # the fleet's callback: a cycle through the model
-
-
-def _reclaim() -> None:
-    """What this process held of an unloaded model (its tokenizer, its
-    grammar engine's vocabulary: tens of MiB for a 150k-token vocabulary)
-    goes back to the system, not to the allocator's free lists."""
-    gc.collect()
-    trim_allocator()
 
 
 def _cannot_load(plan: ModelPlan, progress, reserve) -> Model:
