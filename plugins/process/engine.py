@@ -174,6 +174,10 @@ class ChildEngine:
         key = next(self._keys)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._pending[key] = (work, future)
+        if self._lost is not None:  # lost meanwhile: `_ended` may have taken the pending before this one
+            self._pending.pop(key, None)
+            raise ModelProcessLost(f"the model {self.name!r} stopped serving: {self._lost}",
+                                   retry_after=self._retry_after)
         self._send([("add", key, to_wire(work))])
         try:
             return future.result(ADMISSION_TIMEOUT)
@@ -255,13 +259,14 @@ class ChildEngine:
         self._lost = reason
         error = ModelProcessLost(f"the model {self.name!r} stopped serving: {reason}; retry the request",
                                  retry_after=self._retry_after)
-        for _, future in self._pending.values():
+        # taken whole: the pipeline's threads may be adding (`add` checks `_lost` after)
+        pending, self._pending = self._pending, {}
+        for _, future in pending.values():
             if not future.done():
                 future.set_exception(error)
-        self._pending.clear()
-        for handle in self._handles.values():
+        handles, self._handles = self._handles, {}
+        for handle in handles.values():
             handle.put(error)
-        self._handles.clear()
         if unexpected:
             self.unhealthy_reason = f"the model's process stopped: {reason}"
             if self.on_exit is not None:
