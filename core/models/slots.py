@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from lockgate.models.fleet import ModelFleet
 
 UNLOADED, LOADING, READY, DRAINING = "unloaded", "loading", "ready", "draining"
-STATES = (UNLOADED, LOADING, READY, DRAINING)
 
 @dataclasses.dataclass(frozen=True)
 class ModelPlan:
