@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 UNLOADED, LOADING, READY, DRAINING = "unloaded", "loading", "ready", "draining"
 
+
 @dataclasses.dataclass(frozen=True)
 class ModelPlan:
     """A model the server is configured to serve: its name, what to load
