@@ -82,7 +82,7 @@ def model_plans(settings, pm: pluggy.PluginManager, table) -> list[ModelPlan]:
         if several and per_model.engine is None and chosen_engine(per_model, engines) == "local":
             # a setting that chooses an engine (`--replicas`) keeps its say
             per_model = per_model.replaced(engine=SEVERAL_MODELS_ENGINE)
-        idle_ttl = entry.settings.get("idle_ttl", settings.idle_ttl)
+        idle_ttl = per_model.idle_ttl
         pinned = entry.pinned if entry.pinned is not None else (not several and idle_ttl is None)
         plans.append(ModelPlan(name, per_model, aliases=aliases, idle_ttl=idle_ttl, pinned=pinned, path=path))
     names = [plan.name for plan in plans]

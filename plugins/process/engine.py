@@ -158,9 +158,8 @@ class ChildEngine:
             and bool(self._figures.get("healthy", True))
 
     def stats(self) -> EngineStats:
-        stats = EngineStats.from_dict(self._figures)
-        stats.extra["pid"] = self.pid
-        return stats
+        """The child's last posted figures (its pid, health and memory among them)."""
+        return EngineStats.from_dict(self._figures)
 
     # ----------------------------------------------------------- admission
 
