@@ -21,9 +21,31 @@ import pathlib
 import sys
 
 import numpy as np
-import tvm_ffi
 
-Shape = tvm_ffi.Shape
+#: packages tvm-ffi imports if they are installed, for dtypes (bfloat16,
+#: float8) and tensors the executor never hands it: ml_dtypes costs a
+#: runtime-only process 8 MiB resident and 0.6 s, torch hundreds of MiB
+_OPTIONAL_FOR_FFI = ("ml_dtypes", "torch")
+
+
+def _import_tvm_ffi():
+    """`import tvm_ffi`; in a runtime-only process, without the packages of
+    `_OPTIONAL_FOR_FFI` (it looks for them once, at import). Only the import
+    is kept from them: they stay importable for anything else afterwards."""
+    if not runtime_only() or "tvm_ffi" in sys.modules:
+        import tvm_ffi
+
+        return tvm_ffi
+    blocked = [name for name in _OPTIONAL_FOR_FFI if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # an import of it raises ImportError
+    try:
+        import tvm_ffi
+    finally:
+        for name in blocked:
+            if sys.modules.get(name, False) is None:
+                del sys.modules[name]
+    return tvm_ffi
 
 #: the VM's allocators (`tvm.runtime.vm.VirtualMachine`)
 _ALLOCATORS = {"naive": 1, "pooled": 2}
@@ -48,6 +70,10 @@ def runtime_only() -> bool:
     if "tvm" in sys.modules:
         return bool(sys.modules["tvm"].base._RUNTIME_ONLY)
     return os.environ.get("TVM_USE_RUNTIME_LIB") == "1"
+
+
+tvm_ffi = _import_tvm_ffi()
+Shape = tvm_ffi.Shape
 
 
 def load() -> None:

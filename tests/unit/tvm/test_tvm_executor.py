@@ -358,17 +358,19 @@ for _ in range(2):
     results.append({{"cached": ex.compiled.cached, "logits": ex.prefill([0], [PROMPT])[0].tolist()}})
     ex.close()
 imported = "tvm" in sys.modules
+optional = sorted(name for name in ("ml_dtypes", "torch") if name in sys.modules)
 import tvm
 maps = open("/proc/self/maps").read()
 print(json.dumps({{"runtime_only": tvm.base._RUNTIME_ONLY, "compiler": "libtvm_compiler" in maps,
-                  "imported": imported, "runs": results}}))
+                  "imported": imported, "optional": optional, "runs": results}}))
 """
 
 
 def test_runtime_only_process_compiles_in_a_child_and_runs_the_cached_library(executor, tiny_files, tmp_path):
     """A serving process loads TVM's runtime library alone
     (`TVM_USE_RUNTIME_LIB=1`, as `lockgate serve` sets) and never imports
-    TVM's Python package (`plugins/tvm/runtime.py`): a missing library is
+    TVM's Python package (`plugins/tvm/runtime.py`), nor the packages tvm-ffi
+    would take for dtypes it never sees (ml_dtypes): a missing library is
     built in a child process, a cached one is found without the compiler,
     and either runs as here."""
     import json
@@ -388,6 +390,7 @@ def test_runtime_only_process_compiles_in_a_child_and_runs_the_cached_library(ex
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["runtime_only"] and not found["compiler"] and not found["imported"]
+    assert found["optional"] == []
     assert [run["cached"] for run in found["runs"]] == [False, True]
     executor.add_sequence(90)
     try:
