@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-import tokenizers
-
 __all__ = ["DetokenizerStep", "IncrementalDetokenizer"]
 
 # Lossy UTF-8 decoding turns an incomplete trailing character into U+FFFD;
@@ -30,17 +28,7 @@ _CONTEXT_TOKENS = 6
 
 
 def _decoder_of(tokenizer) -> Callable[..., str]:
-    """`decode(ids, skip_special_tokens=...)` without clean-up of spaces.
-
-    For a transformers fast tokenizer whose decoding is transformers' own,
-    that is exactly its Rust backend's `decode`: called directly, it skips
-    transformers' conversion and checking of the ids, which cost more than
-    the decoding itself (this runs for every generated token). Anything
-    else is asked through its own `decode`.
-    """
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if isinstance(backend, tokenizers.Tokenizer) and _decodes_as_transformers(type(tokenizer)):
-        return backend.decode
+    """`decode(ids, skip_special_tokens=...)` without clean-up of spaces."""
 
     def decode(token_ids: list[int], *, skip_special_tokens: bool) -> str:
         return tokenizer.decode(
@@ -48,20 +36,6 @@ def _decoder_of(tokenizer) -> Callable[..., str]:
         )
 
     return decode
-
-
-def _decodes_as_transformers(cls: type) -> bool:
-    """Whether `cls` decodes with transformers' fast-tokenizer code unchanged."""
-    try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    except ImportError:
-        return False
-    return (
-        issubclass(cls, PreTrainedTokenizerFast)
-        and cls.decode is PreTrainedTokenizerBase.decode
-        and cls._decode is PreTrainedTokenizerFast._decode
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,8 +65,9 @@ class IncrementalDetokenizer:
     Each step decodes a window of a bounded number of tokens, so the cost per
     token does not grow with the length of the sequence.
 
-    :param tokenizer: a transformers tokenizer (anything with a compatible
-        ``decode``).
+    :param tokenizer: the model's tokenizer (`lockgate.models.text_tokenizer`;
+        anything with transformers' ``decode(ids, skip_special_tokens=...,
+        clean_up_tokenization_spaces=...)``).
     :param prompt_token_ids: the prompt; its last few tokens give the first
         generated token its context (for example its leading space).
     :param stop: stop strings; empty strings are ignored.

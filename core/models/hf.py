@@ -5,8 +5,8 @@ read without torch.
 The directory is presented to the rest of lockgate as a GGUF file would be:
 a `ModelConfig` (`read_hf_config`), tensors under llama.cpp's names
 (`HFTensors`, the interface of the TVM plugin's `GGUFTensors`) in Hugging
-Face's own row order (so no Q/K rows need un-permuting), and a transformers
-fast tokenizer with the directory's chat template and stop tokens.
+Face's own row order (so no Q/K rows need un-permuting), and a
+`TextTokenizer` with the directory's chat template and stop tokens.
 safetensors are parsed here (an 8-byte header length, a JSON header, raw
 little-endian data), memory-mapped; bfloat16 is widened bit-exactly to
 float32 and handed on as float16, the executor's own format.
@@ -27,6 +27,7 @@ import numpy as np
 from lockgate.errors import ModelLoadError
 from lockgate.models.config import ModelConfig
 from lockgate.models.families import ModelFamilies, ModelFamily
+from lockgate.models.text_tokenizer import SPECIAL_TOKEN_NAMES, TextTokenizer
 
 #: safetensors dtypes lockgate reads, with their item sizes
 _DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
@@ -273,23 +274,85 @@ class HFTensors:
         return values
 
 
-def load_hf_tokenizer(directory: pathlib.Path, *, chat_template: str | None = None):
-    """The directory's fast tokenizer (`tokenizer.json` with
-    `tokenizer_config.json`'s special tokens and chat template, or a
-    `chat_template.jinja`), loaded offline; `chat_template` overrides."""
-    from transformers import PreTrainedTokenizerFast
+def load_hf_tokenizer(directory: pathlib.Path, *, chat_template: str | None = None) -> TextTokenizer:
+    """The directory's tokenizer, as transformers' `from_pretrained` reads it
+    offline: `tokenizer.json`; the named special tokens, the added tokens,
+    `add_bos_token` and `add_eos_token` from `tokenizer_config.json` (the
+    special tokens from a legacy `special_tokens_map.json` where the config
+    has no added tokens); the chat template from `chat_template.jinja`, else
+    the config's (a text or a list of named ones), with named ones from
+    `additional_chat_templates/*.jinja`. `chat_template` overrides the
+    default. Clean-up of spaces is off (see tokenizer.py)."""
+    from tokenizers import AddedToken, Tokenizer
 
     if not (directory / "tokenizer.json").is_file():
         raise ModelLoadError(f"{directory} has no tokenizer.json")
     try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError) as exc:
+        backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    except Exception as exc:  # noqa: BLE001 - the Rust parser raises its own exception type
         raise ModelLoadError(f"cannot load the tokenizer of {directory}: {exc}") from exc
+    config_path = directory / "tokenizer_config.json"
+    config = _read_json(config_path) if config_path.is_file() else {}
+    named = config
+    legacy_path = directory / "special_tokens_map.json"
+    if "added_tokens_decoder" not in config and legacy_path.is_file():
+        named = {**config, **_read_json(legacy_path)}
+    special = {name: _token_text(named.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    have = {token.content for token in backend.get_added_tokens_decoder().values()}
+    extra = []
+    for token in (config.get("added_tokens_decoder") or {}).values():
+        if isinstance(token, Mapping) and isinstance(token.get("content"), str) and token["content"] not in have:
+            fields = ("special", "single_word", "lstrip", "rstrip", "normalized")
+            extra.append(AddedToken(token["content"], **{k: bool(token[k]) for k in fields if k in token}))
+    for token in named.get("extra_special_tokens") or named.get("additional_special_tokens") or []:
+        text = _token_text(token)
+        if text is not None and text not in have:
+            extra.append(AddedToken(text, special=True, normalized=False))
+    backend.add_special_tokens([token for token in extra if token.special])
+    backend.add_tokens([token for token in extra if not token.special])
+    templates = _hf_chat_templates(directory, config)
     if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    # clean-up would break round trips and streaming (see tokenizer.py)
-    tokenizer.clean_up_tokenization_spaces = False
-    return tokenizer
+        templates["default"] = chat_template
+    default = templates.pop("default", None)
+    return TextTokenizer(
+        backend,
+        special_tokens=special,
+        add_bos_token=bool(config.get("add_bos_token", False)),
+        add_eos_token=bool(config.get("add_eos_token", False)),
+        # the file's own post-processor (Llama 3 adds BOS there) unless the config says
+        post_processor="add_bos_token" in config or "add_eos_token" in config,
+        chat_template=default,
+        named_chat_templates=templates,
+        # clean-up would break round trips and streaming (see tokenizer.py)
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _token_text(value) -> str | None:
+    """A special token as a config writes it: its text, or `{"content": text, ...}`."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _hf_chat_templates(directory: pathlib.Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """The directory's chat templates by name, the default as "default"."""
+    templates: dict[str, str] = {}
+    found = config.get("chat_template")
+    if isinstance(found, str):
+        templates["default"] = found
+    elif isinstance(found, list):
+        for entry in found:
+            if isinstance(entry, Mapping) and isinstance(entry.get("name"), str) and isinstance(
+                    entry.get("template"), str):
+                templates[entry["name"]] = entry["template"]
+    more = directory / "additional_chat_templates"
+    if more.is_dir():
+        for path in sorted(more.glob("*.jinja")):
+            templates[path.stem] = path.read_text(encoding="utf-8")
+    if (directory / "chat_template.jinja").is_file():
+        templates["default"] = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    return templates
 
 
 def hf_eos_token_ids(directory: pathlib.Path, tokenizer) -> list[int]:

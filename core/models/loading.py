@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pluggy
-from transformers import PreTrainedTokenizerBase
 
 from lockgate.engine import Engine, EngineClient, EngineOptions
 from lockgate.engine.client import conformance_problems
 from lockgate.errors import ModelLoadError
 from lockgate.memory import trim_allocator
+from lockgate.models.text_tokenizer import TextTokenizer
 from lockgate.engine.executor import Executor, ExecutorFactory, ExecutorOptions
 from lockgate.engine.pooling import MEAN, file_pooling
 from lockgate.models.model_file import ModelFile
@@ -49,7 +49,7 @@ class Model:
     name: str
     path: Path
     config: ModelConfig
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: TextTokenizer
     eos_token_ids: list[int]
     executor: Executor | None
     engine: EngineClient
@@ -71,7 +71,7 @@ class Model:
     @functools.cached_property
     def token_bytes(self):
         """`TokenBytes` of this model's tokenizer: each token's raw bytes and text."""
-        from lockgate.models.tokenizer import TokenBytes
+        from lockgate.models.text_tokenizer import TokenBytes
 
         return TokenBytes(self.tokenizer)
 
@@ -243,7 +243,7 @@ class ModelSource:
     config: ModelConfig
     #: the GGUF header as read (None for a Hugging Face directory)
     metadata: GGUFMetadata | None
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: TextTokenizer
     eos_token_ids: list[int]
     #: the family that runs the file's architecture
     family: ModelFamily | None = None

@@ -5,9 +5,9 @@ llama.cpp's converter stores a tokenizer as plain arrays (`tokenizer.ggml.tokens
 (`tokenizer.ggml.model`) and, for byte-level BPE, of the pre-tokenizer
 (`tokenizer.ggml.pre`), whose split rules live in llama.cpp's source rather
 than in the file. This module rebuilds the tokenizer llama.cpp runs for those
-arrays with the `tokenizers` package and wraps it as a transformers fast
-tokenizer, so the chat template and the rest of the pipeline use the familiar
-API. Three kinds are supported:
+arrays with the `tokenizers` package and wraps it as a `TextTokenizer`
+(transformers' familiar API, without transformers). Three kinds are
+supported:
 
 - ``gpt2``: byte-level BPE (Llama 3, Qwen2/2.5/3, Mistral Nemo's tekken,
   SmolLM, StarCoder, DeepSeek, Command-R, Falcon, MPT, GPT-2), with the
@@ -16,11 +16,10 @@ API. Three kinds are supported:
   Phi-3, Gemma 1-3);
 - ``gemma4``: Gemma 4's BPE over SentencePiece-style text.
 
-The SentencePiece kinds take their BPE model (the vocabulary, the merges
-recovered from the scores or read from the file, byte fallback) from
-transformers' GGUF tokenizer converter; everything around it follows
-llama.cpp (`src/llama-vocab.cpp`), where the converter does otherwise. Nothing
-here imports torch.
+The SentencePiece kinds' BPE model (the vocabulary, the merges recovered
+from the scores or read from the file, byte fallback) is the one
+transformers' GGUF tokenizer converter builds; everything around it follows
+llama.cpp (`src/llama-vocab.cpp`), where the converter does otherwise.
 
 The test vectors llama.cpp ships with its vocabularies check all of this
 (`tests/unit/models/test_tokenizer_vectors.py`).
@@ -28,22 +27,20 @@ The test vectors llama.cpp ships with its vocabularies check all of this
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 
 import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from lockgate.errors import ModelLoadError
 from lockgate.models.pre_tokenizers import PRE_TOKENIZERS, SUPPORTED_PRE_TOKENIZERS, PreTokenizerSpec
+from lockgate.models.text_tokenizer import TextTokenizer
 
 __all__ = [
     "eos_token_ids",
     "load_tokenizer",
     "SUPPORTED_PRE_TOKENIZERS",
     "SUPPORTED_TOKENIZER_MODELS",
-    "TokenBytes",
 ]
 
 _BYTE_LEVEL, _SENTENCEPIECE, _GEMMA4 = "gpt2", "llama", "gemma4"
@@ -88,10 +85,6 @@ _CONTROL_LOOKING_TEXTS = END_OF_GENERATION_TEXTS.union(
     _FIM_PREFIX_TEXTS, _FIM_SUFFIX_TEXTS, _FIM_MIDDLE_TEXTS, _FIM_PAD_TEXTS, _FIM_REPO_TEXTS,
     _FIM_SEPARATOR_TEXTS,
 )
-
-# SentencePiece's byte-fallback tokens.
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
 
 def _scalar(reader, key: str, default=None):
     field = reader.fields.get(key)
@@ -145,7 +138,7 @@ def _end_of_generation(reader, token_ids: Mapping[str, int], n_vocab: int) -> li
     return ordered
 
 
-def load_tokenizer(reader, *, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+def load_tokenizer(reader, *, chat_template: str | None = None) -> TextTokenizer:
     """Build the model's tokenizer from the metadata of an open GGUF file.
 
     Tokens split text as llama.cpp's `llama_tokenize(..., parse_special=True)`
@@ -153,15 +146,14 @@ def load_tokenizer(reader, *, chat_template: str | None = None) -> PreTrainedTok
     control by their text, such as `<|im_end|>` or `<end_of_turn>`) become
     special tokens, user-defined tokens are matched whole but are not
     special. Encoding with special tokens adds BOS as llama.cpp does
-    (`tokenizer.ggml.add_bos_token`, else the kind's default), and
-    `split_special_tokens=True` gives `parse_special=False`. Decoding a
+    (`tokenizer.ggml.add_bos_token`, else the kind's default). Decoding a
     sequence gives the concatenation of its tokens' texts, a SentencePiece
     token's leading space included (what llama.cpp's server sends).
 
     :param reader: the open GGUF file (`GGUFMetadata` or `gguf.GGUFReader`).
     :param chat_template: a Jinja chat template that replaces the file's
         `tokenizer.chat_template` (the `--chat-template` option).
-    :returns: a transformers fast tokenizer whose `chat_template` is the
+    :returns: a `TextTokenizer` whose `chat_template` is the
         override if given, else the file's template (None if it has none),
         and whose `named_chat_templates` maps the names of the file's named
         templates (`tokenizer.chat_template.<name>`) to their text (none
@@ -216,7 +208,6 @@ def load_tokenizer(reader, *, chat_template: str | None = None) -> PreTrainedTok
         ("pad_token", "tokenizer.ggml.padding_token_id"),
     ):
         token_id = _token_id(reader, key, n_vocab)
-        # transformers would otherwise invent "<s>"/"</s>" for a missing one.
         special[name] = tokens[token_id] if token_id is not None else None
     if kind == _BYTE_LEVEL:
         add_bos = _scalar(reader, "tokenizer.ggml.add_bos_token", spec.default_add_bos)
@@ -240,21 +231,20 @@ def load_tokenizer(reader, *, chat_template: str | None = None) -> PreTrainedTok
         named_templates = {
             key[len(prefix):]: str(_scalar(reader, key)) for key in reader.fields if key.startswith(prefix)
         }
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        add_bos_token=bool(add_bos) and special["bos_token"] is not None,
-        add_eos_token=add_eos and special["eos_token"] is not None,
+    return TextTokenizer(
+        backend,
+        special_tokens=special,
+        add_bos_token=bool(add_bos),
+        add_eos_token=add_eos,
         # Clean-up would drop spaces before punctuation, so a decoded text
         # would not round-trip and a streamed text could differ from the
         # whole decode; llama.cpp's server does not clean up either.
         clean_up_tokenization_spaces=False,
         chat_template=template,
-        **special,
+        # beside `chat_template`, which stays the default's text: the chat
+        # template plugin picks `tool_use` when tools are offered
+        named_chat_templates=named_templates,
     )
-    # beside `chat_template`, which stays the default's text: the chat
-    # template plugin picks `tool_use` when tools are offered
-    tokenizer.named_chat_templates = named_templates
-    return tokenizer
 
 
 def _byte_level_backend(reader, token_ids: dict[str, int], spec: PreTokenizerSpec) -> Tokenizer:
@@ -270,13 +260,7 @@ def _byte_level_backend(reader, token_ids: dict[str, int], spec: PreTokenizerSpe
     merges = _scalar(reader, "tokenizer.ggml.merges")
     if merges is None:
         raise ModelLoadError("GGUF metadata lacks the BPE merges (tokenizer.ggml.merges)")
-    pairs = []
-    for merge in merges:
-        # llama.cpp splits at the first space after the first character
-        cut = merge.find(" ", 1)
-        if cut < 0 or cut == len(merge) - 1:
-            raise ModelLoadError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges")
-        pairs.append((merge[:cut], merge[cut + 1 :]))
+    pairs = [_merge_pair(merge) for merge in merges]
     backend = Tokenizer(models.BPE(vocab=token_ids, merges=pairs, ignore_merges=spec.ignore_merges))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in spec.splits]
@@ -289,11 +273,11 @@ def _byte_level_backend(reader, token_ids: dict[str, int], spec: PreTokenizerSpe
 def _sentencepiece_backend(reader, kind: str, tokens: list[str]) -> Tokenizer:
     """SentencePiece-style BPE with byte fallback, as llama.cpp runs it.
 
-    The BPE model comes from transformers' GGUF converter: for "llama" files
-    it recovers the merges from the scores (llama.cpp merges the adjacent pair
-    whose joined text has the best score, which ranks the same), for
-    "gemma4" files it reads them. Around it, llama.cpp's rules rather than
-    the converter's:
+    The BPE model is the one transformers' GGUF converter builds: for
+    "llama" files the merges are recovered from the scores (llama.cpp merges
+    the adjacent pair whose joined text has the best score, which ranks the
+    same), for "gemma4" files they are read. Around it, llama.cpp's rules
+    rather than the converter's:
 
     - a space is added in front of every run of text between special tokens
       when `tokenizer.ggml.add_space_prefix` (the default for "llama") says
@@ -309,28 +293,20 @@ def _sentencepiece_backend(reader, kind: str, tokens: list[str]) -> Tokenizer:
     - decoding keeps the first token's leading space (what llama.cpp's
       server sends), where the converter's decoder strips it.
     """
-    try:
-        from transformers.integrations.gguf import gguf_tokenizer_mapping as converter
-    except ImportError as exc:  # transformers < 5.17
-        raise ModelLoadError(
-            f"loading a {kind!r} tokenizer needs transformers' GGUF tokenizer converter "
-            f"(transformers >= 5.17): {exc}"
-        ) from None
-    tokenizer_dict: dict = {"tokenizer_type": kind, "tokens": tokens}
+    vocab = {token: i for i, token in enumerate(tokens)}
     scores = _scalar(reader, "tokenizer.ggml.scores")
     merges = _scalar(reader, "tokenizer.ggml.merges")
     if merges is not None:
-        tokenizer_dict["merges"] = merges
+        pairs = [_merge_pair(merge) for merge in merges]
     elif scores is not None and len(scores) >= len(tokens):
-        tokenizer_dict["scores"] = scores[: len(tokens)]
+        pairs = _merges_from_scores(vocab, scores)
     else:
         raise ModelLoadError(
             "GGUF metadata lacks the scores of a SentencePiece vocabulary (tokenizer.ggml.scores)"
         )
-    built = converter.GGUF_TOKENIZER_TYPES[kind](tokenizer_dict)
-    # Only the BPE model is kept: the transformers class around it adds its
-    # own idea of the special tokens, which the file's token types replace.
-    backend = Tokenizer(built.backend_tokenizer.model)
+    # Gemma 4's unknown token is "<unk>" by name, as transformers' Gemma class has it
+    unk = "<unk>" if kind == _GEMMA4 else None
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     if kind == _GEMMA4:
         add_space_prefix = False
         backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
@@ -344,6 +320,33 @@ def _sentencepiece_backend(reader, kind: str, tokens: list[str]) -> Tokenizer:
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     return backend
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A `tokenizer.ggml.merges` entry's two sides: llama.cpp splits it at
+    the first space after the first character."""
+    cut = merge.find(" ", 1)
+    if cut < 0 or cut == len(merge) - 1:
+        raise ModelLoadError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges")
+    return merge[:cut], merge[cut + 1 :]
+
+
+def _merges_from_scores(vocab: Mapping[str, int], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every split of a
+    token into two tokens of the vocabulary, best-scored token first (ties:
+    the longer left side, then the longer right side, first; within one
+    token, by the ids of its sides), as transformers' `generate_merges`."""
+    found = []
+    for token, score in zip(vocab, scores):
+        local = [
+            (token[:cut], token[cut:], score)
+            for cut in range(1, len(token))
+            if token[:cut] in vocab and token[cut:] in vocab
+        ]
+        local.sort(key=lambda merge: (vocab[merge[0]], vocab[merge[1]]))
+        found.extend(local)
+    found.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
 
 
 def _added_tokens(reader, tokens: list[str], token_types: Sequence[int],
@@ -375,7 +378,7 @@ def _added_tokens(reader, tokens: list[str], token_types: Sequence[int],
     return added
 
 
-def eos_token_ids(reader, tokenizer: PreTrainedTokenizerFast) -> list[int]:
+def eos_token_ids(reader, tokenizer: TextTokenizer) -> list[int]:
     """The token ids at which generation stops, EOS first, as llama.cpp's
     end-of-generation set has them.
 
@@ -390,60 +393,3 @@ def eos_token_ids(reader, tokenizer: PreTrainedTokenizerFast) -> list[int]:
     if not ids and tokenizer.eos_token_id is not None:
         ids = [tokenizer.eos_token_id]
     return ids
-
-
-def _gpt2_byte_of_char() -> dict[str, int]:
-    """The inverse of GPT-2's byte-to-printable-character table."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {char: b for b, char in chars.items()}
-
-
-class TokenBytes:
-    """The raw bytes of single tokens (for logprobs, which report each token's
-    text and bytes even when it holds only part of a UTF-8 character).
-
-    As llama.cpp's `token_to_piece`: a byte-level token's characters map back
-    to bytes; a SentencePiece token's "▁" is a space and `<0x0A>` is the byte
-    0x0A; control and user-defined tokens are their text.
-    """
-
-    _BYTE_OF_CHAR = _gpt2_byte_of_char()
-
-    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
-        self._tokenizer = tokenizer
-        self._added = set(tokenizer.added_tokens_decoder)
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        model = getattr(backend, "model", None)
-        self._sentencepiece = bool(getattr(model, "byte_fallback", False))
-        self._cache: dict[int, bytes] = {}
-
-    def __call__(self, token_id: int) -> bytes:
-        found = self._cache.get(token_id)
-        if found is None:
-            text = self._tokenizer.convert_ids_to_tokens(token_id)
-            if token_id in self._added:
-                found = text.encode()
-            elif self._sentencepiece:
-                byte = _BYTE_TOKEN.fullmatch(text)
-                found = bytes([int(byte.group(1), 16)]) if byte else text.replace("▁", " ").encode()
-            else:
-                try:
-                    found = bytes(self._BYTE_OF_CHAR[char] for char in text)
-                except KeyError:  # not a byte-level token
-                    found = text.encode()
-            self._cache[token_id] = found
-        return found
-
-    def text(self, token_id: int) -> str:
-        """The token's text; bytes that are not whole UTF-8 characters show as U+FFFD."""
-        return self(token_id).decode("utf-8", errors="replace")

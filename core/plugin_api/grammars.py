@@ -16,6 +16,7 @@ llguidance's top-level `"x-guidance"` key.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -110,7 +111,7 @@ def compile_json_schema(
     accepted, not enforced, and listed in `Grammar.unenforced`.
 
     :param schema: the JSON schema (a decoded JSON object).
-    :param tokenizer: the model's transformers fast tokenizer; its
+    :param tokenizer: the model's tokenizer (its `backend_tokenizer`); its
         llguidance counterpart is cached per tokenizer object.
     :param eos_token_ids: the ids that end generation (the engine's list);
         the grammar allows them exactly when the output may end. Defaults to
@@ -285,6 +286,15 @@ def _walk(compiled: Grammar, what: str) -> None:
             return
 
 
+def _backend_json(tokenizer) -> str:
+    """The tokenizer's `tokenizers` backend serialized, without padding or
+    truncation (as `llguidance.hf.from_tokenizer` hands it over)."""
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
+
+
 def _llg_tokenizer(tokenizer, eos_token_ids: Sequence[int] | None) -> llguidance.LLTokenizer:
     eos = tuple(int(i) for i in eos_token_ids) if eos_token_ids else (tokenizer.eos_token_id,)
     if None in eos:
@@ -294,15 +304,10 @@ def _llg_tokenizer(tokenizer, eos_token_ids: Sequence[int] | None) -> llguidance
         llg_tokenizer = per_tokenizer.get(eos)
         if llg_tokenizer is None:
             # Under the lock on purpose: concurrent first requests wait for
-            # one build instead of each paying for their own. Imported here:
-            # it imports transformers (22 MiB resident, over a second), which a
-            # process that never builds a grammar tokenizer does without.
-            import llguidance.hf
-
-            llg_tokenizer = llguidance.hf.from_tokenizer(
-                tokenizer,
-                eos_token=list(eos),
-                slices=llguidance.LLTokenizer.json_slices(),
+            # one build instead of each paying for their own. llguidance
+            # reads the backend's serialized form, added tokens included
+            llg_tokenizer = llguidance.LLTokenizer(
+                _backend_json(tokenizer), eos_token=list(eos), slices=llguidance.LLTokenizer.json_slices()
             )
             per_tokenizer[eos] = llg_tokenizer
             # the build serialized the whole tokenizer: give that back

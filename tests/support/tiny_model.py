@@ -506,5 +506,29 @@ def write_hf_directory(gguf_path, directory, dtype: str = "F16") -> pathlib.Path
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     eos = int(reader.fields["tokenizer.ggml.eos_token_id"].contents())
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
-    load_tokenizer(GGUFMetadata(gguf_path)).save_pretrained(str(directory))
+    save_hf_tokenizer(load_tokenizer(GGUFMetadata(gguf_path)), directory)
     return directory
+
+
+def save_hf_tokenizer(tokenizer, directory) -> None:
+    """`tokenizer` (a `TextTokenizer`) as a Hugging Face directory keeps it:
+    `tokenizer.json`, `tokenizer_config.json` (the named special tokens,
+    `add_bos_token`, `add_eos_token`, the added tokens) and
+    `chat_template.jinja`, as transformers' `save_pretrained` writes them."""
+    import json
+
+    directory = pathlib.Path(directory)
+    tokenizer.backend_tokenizer.save(str(directory / "tokenizer.json"))
+    added = {
+        str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                 "single_word": t.single_word, "special": t.special}
+        for i, t in tokenizer.added_tokens_decoder.items()
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "backend": "tokenizers",
+        "add_bos_token": tokenizer.add_bos_token, "add_eos_token": tokenizer.add_eos_token,
+        "clean_up_tokenization_spaces": False, "added_tokens_decoder": added, **tokenizer.special_tokens_map,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False))
+    if tokenizer.chat_template:
+        (directory / "chat_template.jinja").write_text(tokenizer.chat_template)

@@ -40,7 +40,8 @@ from lockgate.engine.detokenizer import IncrementalDetokenizer
 from lockgate.plugin_api.grammars import compile_json_schema
 from lockgate.errors import ModelLoadError
 from lockgate.models.gguf_metadata import GGUFMetadata
-from lockgate.models.tokenizer import TokenBytes, eos_token_ids, load_tokenizer
+from lockgate.models.text_tokenizer import TokenBytes
+from lockgate.models.tokenizer import eos_token_ids, load_tokenizer
 from llama_cpp_reference import read_vocab_tests, reference_models_dir, write_gemma3_style_vocab
 
 GOLDEN = json.loads((DATA / "tokenizer_golden.json").read_text("utf-8"))
