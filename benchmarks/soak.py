@@ -28,9 +28,9 @@ server's RSS, open file descriptors and threads, and the engine's gauges; it
 fails on any violation, on gauges not back to 0 at the end, on the C
 allocator's memory in use growing more than `--max-growth` % over the second
 half or resident memory more than `--max-rss-growth` % (each the lowest of
-that half's last fifth of samples against the lowest of its first fifth:
-memory saws with the traffic and the trims, and a leak raises its floor),
-or on descriptors or threads growing.
+that half's last fifth of samples, ten at least, against the lowest of its
+first fifth: memory saws with the traffic and the trims, and a leak raises
+its floor), or on descriptors or threads growing.
 
     python benchmarks/soak.py --minutes 30                                     # mixed, the default model
     python benchmarks/soak.py --profile faults --minutes 30 --concurrency 64   # with faults
@@ -380,11 +380,15 @@ class Soak:
         of its last fifth. Memory saws up and down with the requests in
         flight and the trims; what a leak raises is the floor it comes back
         to (a median can fall on a crest at one end and a trough at the
-        other)."""
+        other). A fifth is at least ten samples when the half has twenty or
+        more: a floor needs a moment with little in flight, and once a
+        minute's last six samples (one a second) all fell on oversized
+        bodies being read, 4.4 MiB above the floor the server had come back
+        to seconds earlier."""
         end = self.samples["end"]
         second_half = [s[key] for label, s in self.samples.items()
                        if label not in ("start", "end") and s["at"] >= self.half] or [end[key]]
-        window = max(1, len(second_half) // 5)
+        window = max(1, len(second_half) // 5, min(10, len(second_half) // 2))
         began, ended = min(second_half[:window]), min(second_half[-window:])
         return (ended - began) / began, began, ended, window
 
