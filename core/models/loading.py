@@ -41,20 +41,13 @@ class ModelSpec:
     aliases: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass
-class Model:
-    """A loaded model: tokenizer, executor and the engine that serves it
-    (`executor` is None where the engine runs in other processes)."""
+@dataclasses.dataclass(kw_only=True)
+class ServingTraits:
+    """How a model is served beyond its file and engine: its names, output
+    formats, pooling and rerank head. `ModelSource` reads them, the `Model`
+    it becomes keeps them (`traits()`)."""
 
-    name: str
-    path: Path
-    config: ModelConfig
-    tokenizer: TextTokenizer
-    eos_token_ids: list[int]
-    executor: Executor | None
-    engine: EngineClient
     aliases: tuple[str, ...] = ()
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     #: how this model writes tool calls; None where no format fits its template
     tool_call_format: ToolCallFormat | None = None
     #: most calls one answer may carry (`--max-tool-calls`)
@@ -67,6 +60,25 @@ class Model:
     rank_head: RankHead | None = None
     #: the file's rerank template (`tokenizer.chat_template.rerank`), `{query}` and `{document}` in it
     rerank_template: str | None = None
+
+    def traits(self) -> dict[str, Any]:
+        """These fields' values, by name."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(ServingTraits)}
+
+
+@dataclasses.dataclass
+class Model(ServingTraits):
+    """A loaded model: tokenizer, executor and the engine that serves it
+    (`executor` is None where the engine runs in other processes)."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    tokenizer: TextTokenizer
+    eos_token_ids: list[int]
+    executor: Executor | None
+    engine: EngineClient
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @functools.cached_property
     def token_bytes(self):
@@ -233,7 +245,7 @@ def registered_reasoning_formats(pm: pluggy.PluginManager) -> list[type]:
 
 
 @dataclasses.dataclass
-class ModelSource:
+class ModelSource(ServingTraits):
     """What serving a model needs besides its executor: the file, its
     architecture, tokenizer and tool-call format. The front of a server whose
     engines run elsewhere (`lockgate.plugins.ray`) holds only this."""
@@ -247,13 +259,6 @@ class ModelSource:
     eos_token_ids: list[int]
     #: the family that runs the file's architecture
     family: ModelFamily | None = None
-    aliases: tuple[str, ...] = ()
-    tool_call_format: ToolCallFormat | None = None
-    max_tool_calls: int = setting_default("max_tool_calls")
-    reasoning_format: ReasoningFormat | None = None
-    pooling: str = MEAN
-    rank_head: RankHead | None = None
-    rerank_template: str | None = None
 
     def model_file(self) -> ModelFile:
         return ModelFile(path=self.path, config=self.config, family=self.family, metadata=self.metadata)
@@ -269,13 +274,7 @@ class ModelSource:
             eos_token_ids=self.eos_token_ids,
             executor=executor,
             engine=engine,
-            aliases=self.aliases,
-            tool_call_format=self.tool_call_format,
-            max_tool_calls=self.max_tool_calls,
-            reasoning_format=self.reasoning_format,
-            pooling=self.pooling,
-            rank_head=self.rank_head,
-            rerank_template=self.rerank_template,
+            **self.traits(),
         )
 
 
