@@ -29,7 +29,10 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["render_chat_template"]
+__all__ = ["TOOL_USE", "pick_template", "render_chat_template", "templates_by_name"]
+
+#: the name of the template to render with when tools are offered
+TOOL_USE = "tool_use"
 
 #: the names a message's reasoning goes by; templates read the first
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -144,6 +147,28 @@ def _messages(conversation: Sequence[Mapping[str, Any]]) -> list[dict]:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         messages.append(message)
     return messages
+
+
+def templates_by_name(chat_template: str | Mapping[str, str] | None,
+                      named: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A tokenizer's chat templates by name: "default" for `chat_template`
+    and the named ones beside it (a GGUF's `tokenizer.chat_template.<name>`);
+    a Hugging Face config's `chat_template` may itself be such a mapping."""
+    if isinstance(chat_template, Mapping):
+        return {name: text for name, text in chat_template.items() if text}
+    templates = dict(named or {})
+    if chat_template:
+        templates["default"] = chat_template
+    return templates
+
+
+def pick_template(templates: Mapping[str, str], *, tools: bool) -> str | None:
+    """The template a request renders with, as llama.cpp's server picks it:
+    `tool_use` when tools are offered and there is one, else the default
+    (or `tool_use` when that is all there is); None when there is none."""
+    if tools and TOOL_USE in templates:
+        return templates[TOOL_USE]
+    return templates.get("default") or templates.get(TOOL_USE)
 
 
 def render_chat_template(

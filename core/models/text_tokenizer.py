@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, processors
 
-from lockgate.models.chat_template import render_chat_template
+from lockgate.models.chat_template import pick_template, render_chat_template, templates_by_name
 
 __all__ = ["SPECIAL_TOKEN_NAMES", "TextTokenizer", "TokenBytes"]
 
@@ -128,11 +128,6 @@ class TextTokenizer:
         """The named special tokens that are set, by name."""
         return {name: self._special[name] for name in SPECIAL_TOKEN_NAMES if name in self._special}
 
-    @property
-    def all_special_ids(self) -> list[int]:
-        """The ids of every special token of the vocabulary."""
-        return [i for i, token in self.added_tokens_decoder.items() if token.special]
-
     # ----------------------------------------------------------- vocabulary
 
     def __len__(self) -> int:
@@ -207,7 +202,8 @@ class TextTokenizer:
         """`conversation` rendered with `chat_template` (a template's text or
         name; by default the tokenizer's, `tool_use` where tools are given
         and it has one), the special tokens and `kwargs` in the template's
-        reach; its token ids (without BOS added) when `tokenize`.
+        reach; its token ids (without BOS added) when `tokenize`. Without
+        tools the default is `tool_use` only where that is all there is.
 
         :raises ValueError: there is no such template.
         """
@@ -219,16 +215,13 @@ class TextTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _template(self, chat_template: str | None, tools) -> str:
-        named = dict(self.chat_template) if isinstance(self.chat_template, dict) else {
-            **self.named_chat_templates, **({"default": self.chat_template} if self.chat_template else {})
-        }
+        templates = templates_by_name(self.chat_template, self.named_chat_templates)
         if chat_template is not None:
-            return named.get(chat_template, chat_template)
-        if tools is not None and "tool_use" in named:
-            return named["tool_use"]
-        if "default" in named:
-            return named["default"]
-        raise ValueError("the tokenizer has no chat template")
+            return templates.get(chat_template, chat_template)
+        found = pick_template(templates, tools=tools is not None)
+        if found is None:
+            raise ValueError("the tokenizer has no chat template")
+        return found
 
     def __repr__(self) -> str:
         return f"TextTokenizer(vocabulary={len(self)}, special={self.special_tokens_map})"

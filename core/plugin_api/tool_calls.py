@@ -277,34 +277,21 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-#: the name of the template a model uses when tools are offered (GGUF's
-#: `tokenizer.chat_template.tool_use`, Hugging Face's named templates)
-TOOL_USE = "tool_use"
-
-
 def named_chat_templates(tokenizer) -> dict[str, str]:
-    """The tokenizer's chat templates by name: "default" for its
-    `chat_template`, and the named ones beside it (a GGUF's
-    `tokenizer.chat_template.<name>`, kept in `named_chat_templates` by the
-    tokenizer loader; a Hugging Face tokenizer's `chat_template` may itself
-    be such a mapping)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        return {name: text for name, text in template.items() if text}
-    named = dict(getattr(tokenizer, "named_chat_templates", None) or {})
-    if template:
-        named["default"] = template
-    return named
+    """The tokenizer's chat templates by name (`templates_by_name`: its
+    `chat_template` as "default", and its `named_chat_templates`)."""
+    # here: lockgate.models imports this module while it loads
+    from lockgate.models.chat_template import templates_by_name
+
+    return templates_by_name(getattr(tokenizer, "chat_template", None),
+                             getattr(tokenizer, "named_chat_templates", None))
 
 
 def chat_template_for(tokenizer, *, tools: bool) -> str | None:
-    """The template a request is rendered with, as llama.cpp's server picks
-    it: the `tool_use` template when tools are offered and the model has
-    one, else the default (or `tool_use` when that is all there is)."""
-    templates = named_chat_templates(tokenizer)
-    if tools and TOOL_USE in templates:
-        return templates[TOOL_USE]
-    return templates.get("default") or templates.get(TOOL_USE)
+    """The template a request is rendered with (`pick_template`)."""
+    from lockgate.models.chat_template import pick_template
+
+    return pick_template(named_chat_templates(tokenizer), tools=tools)
 
 
 def choose_tool_call_format(
