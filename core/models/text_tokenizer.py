@@ -128,6 +128,13 @@ class TextTokenizer:
         """The named special tokens that are set, by name."""
         return {name: self._special[name] for name in SPECIAL_TOKEN_NAMES if name in self._special}
 
+    @property
+    def all_special_ids(self) -> list[int]:
+        """The ids of the named special tokens (as transformers 5 has it: not
+        every special token of the vocabulary, which `added_tokens_decoder`
+        lists)."""
+        return list(dict.fromkeys(self._id(name) for name in self.special_tokens_map))
+
     # ----------------------------------------------------------- vocabulary
 
     def __len__(self) -> int:

@@ -79,6 +79,7 @@ def test_encoding_and_decoding_are_transformers(name):
 def test_special_tokens_and_vocabulary_are_transformers(name):
     mine, reference = ours(name), theirs(name)
     assert mine.special_tokens_map == reference.special_tokens_map
+    assert mine.all_special_ids == reference.all_special_ids
     for attribute in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "bos_token_id",
                       "eos_token_id", "unk_token_id", "pad_token_id", "sep_token_id"):
         assert getattr(mine, attribute) == getattr(reference, attribute), attribute
